@@ -1,0 +1,214 @@
+"""The ``eyas`` command: one subcommand per stage, each built from its Python function's signature.
+
+A stage function (keyword-only arguments, annotated, documented in a Google
+style ``Args:`` block) *is* the command: the flags, their types, defaults and
+help come from it, so the CLI and the Python API cannot drift apart. Stage
+modules are imported only when their subcommand runs, so ``eyas --help`` is
+instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect as _inspect
+import json
+import os
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from eyas.errors import EyasError
+
+# name -> (module:function, one-line help, positional params, extra flag aliases)
+COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
+    "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
+                ("path",), {}),
+    "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
+}  # fmt: skip
+
+
+def inspect(path: str, *, json_out: bool = False) -> dict[str, Any]:
+    """Describe a verifier: its text model, where the embedding, head and final norm live, and whether eyas can run it.
+
+    Reads ``config.json`` and safetensors headers only (or GGUF metadata); never imports checkpoint code.
+
+    Args:
+        path: a checkpoint directory, a .gguf file, 'smollm2' (the demo verifier) or a hub id.
+        json_out: print one JSON object instead of a table.
+    """
+    from eyas.verifier import resolve
+
+    info = resolve(path)
+    summary = info.summary()
+    if json_out:
+        print(json.dumps(summary, indent=2))
+        return summary
+    rows = [
+        ("path", info.path),
+        ("model_type", info.model_type + (f"  (text model under '{info.text_config_key}')" if info.text_config_key else "")),
+        ("text model_type", info.text_model_type),
+        ("hidden_size", info.hidden_size),
+        ("num_hidden_layers", info.num_hidden_layers),
+        ("vocab_size", info.vocab_size),
+    ]
+    for name, ref in (("embedding", info.embed), ("output head", info.lm_head), ("final norm", info.norm)):
+        if ref is None:
+            rows.append((name, "tied to the embedding"))
+        else:
+            rows.append((name, f"{ref.key}  [{', '.join(map(str, ref.shape))}] {ref.dtype}  in {ref.file}"))
+    rows += [
+        ("quantization", info.quantization),
+        ("aux layer ids", info.aux_layer_ids),
+        ("remote code", "present, never imported" if info.has_remote_code else "none"),
+        ("runnable", "yes" if info.runnable else "no: " + "; ".join(info.reasons)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return summary
+
+
+# --------------------------------------------------------------------------- signature -> argparse
+
+
+def _doc_args(fn: Callable) -> dict[str, str]:
+    """Parse the ``Args:`` block of a Google-style docstring."""
+    doc = _inspect.getdoc(fn) or ""
+    out: dict[str, str] = {}
+    m = re.search(r"^Args:\n(.*?)(?:^\S|\Z)", doc, flags=re.S | re.M)
+    if not m:
+        return out
+    current = None
+    for line in m.group(1).splitlines():
+        hit = re.match(r"^\s{4}(\w+)(?: \([^)]*\))?:\s*(.*)$", line)
+        if hit:
+            current = hit.group(1)
+            out[current] = hit.group(2)
+        elif current and line.strip():
+            out[current] += " " + line.strip()
+    return out
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+        if set(args) <= {str, Path}:
+            return str
+    return tp
+
+
+def _list_of(inner: Any) -> Callable[[str], list]:
+    def parse(s: str) -> list:
+        return [inner(x) for x in s.replace(" ", "").split(",") if x]
+
+    parse.__name__ = f"comma-separated {getattr(inner, '__name__', 'value')}s"
+    return parse
+
+
+def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple[str, ...],
+                aliases: dict[str, tuple[str, ...]]) -> None:  # fmt: skip
+    hints = typing.get_type_hints(fn)
+    docs = _doc_args(fn)
+    for name, param in _inspect.signature(fn).parameters.items():
+        tp = _unwrap_optional(hints.get(name, str))
+        help_ = docs.get(name, "")
+        required = param.default is _inspect.Parameter.empty
+        kwargs: dict[str, Any] = {"help": help_}
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = param.default if not required else False
+        else:
+            origin = typing.get_origin(tp)
+            if origin is Literal:
+                kwargs["choices"] = list(typing.get_args(tp))
+                kwargs["type"] = type(kwargs["choices"][0])
+            elif origin in (list, tuple):
+                inner = _unwrap_optional((typing.get_args(tp) or (str,))[0])
+                kwargs["type"] = _list_of(inner if inner in (int, float) else str)
+            elif tp in (int, float):
+                kwargs["type"] = tp
+            else:
+                kwargs["type"] = str
+            if not required:
+                kwargs["default"] = param.default
+                if param.default not in (None, "") and help_:
+                    kwargs["help"] = f"{help_} (default: {param.default})"
+        if name in positional:
+            if not required:
+                kwargs["nargs"] = "?"
+            parser.add_argument(name, **{k: v for k, v in kwargs.items() if k != "required"})
+            continue
+        flag = "--" + ("json" if name == "json_out" else name.replace("_", "-"))
+        names = [flag, *aliases.get(name, ())]
+        if required and tp is not bool:
+            kwargs["required"] = True
+        parser.add_argument(*names, dest=name, **kwargs)
+
+
+def _load(target: str) -> Callable:
+    mod, _, fn = target.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s module is imported (for its signature)."""
+    parser = argparse.ArgumentParser(
+        prog="eyas",
+        description="Train EAGLE-3 speculative-decoding drafts for any Hugging Face verifier; "
+        "ship them to vLLM and SGLang.",
+    )
+    from eyas import __version__
+
+    parser.add_argument("--version", action="version", version=f"eyas {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (target, help_, positional, aliases) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_, description=help_)
+            continue
+        fn = _load(target)
+        doc = (_inspect.getdoc(fn) or help_).split("\n\nArgs:")[0]
+        p = sub.add_parser(name, help=help_, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_params(p, fn, positional, aliases)
+    return parser
+
+
+def _quiet_known_noise() -> None:
+    """A normal run prints no warnings; these are known noise from our dependencies."""
+    import warnings
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # tensorboard's TensorFlow probe
+    warnings.filterwarnings("ignore", message=r".*`torch_dtype` is deprecated.*")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    if command is None:
+        parser.print_help()
+        return 0
+    _quiet_known_noise()
+    fn = _load(COMMANDS[command][0])
+    positional = COMMANDS[command][2]
+    pos_args = [args.pop(p) for p in positional]
+    try:
+        fn(*pos_args, **args)
+    except EyasError as e:
+        print(f"eyas {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"eyas {command}: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Atomic files, manifests, output locks and disk checks shared by every stage.
+
+A stage writes its outputs through :func:`atomic_path` (write to a temporary
+name in the same directory, fsync, rename), so a crash never leaves a
+half-written file under its final name. Its ``manifest.json`` says what was
+made, from what inputs, with which settings and versions; a stage whose
+manifest already matches its inputs is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from eyas import __version__
+from eyas.errors import EyasError
+
+MANIFEST = "manifest.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    if path.is_file():
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        return
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success fsync it and rename it into place.
+
+    Works for files and, with ``is_dir=True``, for directories (an existing
+    directory at ``path`` is replaced). On an exception the temporary is removed
+    and ``path`` is left as it was.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+    if is_dir:
+        tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if is_dir and final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented, key-sorted JSON to ``path`` atomically."""
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: str | os.PathLike, *, what: str = "JSON file") -> Any:
+    """Read a JSON file, turning a missing or malformed file into a clear :class:`EyasError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise EyasError(f"{what} not found: {p}")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{what} {p} is not valid JSON ({e}); fix or remove it") from e
+
+
+def sha256_file(path: str | os.PathLike, *, chunk: int = 1 << 22) -> str:
+    """The sha256 hex digest of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """A stable hash of a JSON-serialisable object (keys sorted)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def versions() -> dict[str, str]:
+    """Versions of the software a result depends on, recorded in every manifest."""
+    out = {"eyas": __version__, "python": platform.python_version()}
+    for name in ("torch", "transformers", "safetensors", "numpy", "datasets"):
+        mod = sys.modules.get(name)
+        if mod is None:
+            with contextlib.suppress(ImportError):
+                mod = __import__(name)
+        if mod is not None:
+            out[name] = getattr(mod, "__version__", "?")
+    return out
+
+
+def write_manifest(
+    out_dir: str | os.PathLike,
+    *,
+    stage: str,
+    inputs: dict[str, Any],
+    settings: dict[str, Any],
+    outputs: dict[str, Any],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Write ``out_dir/manifest.json`` atomically and return it.
+
+    ``inputs`` identify what the stage read (fingerprints and hashes, never
+    secrets), ``settings`` the options that change the result, ``outputs`` what
+    was made. :func:`manifest_matches` compares the first two.
+    """
+    manifest = {
+        "stage": stage,
+        "inputs": inputs,
+        "settings": settings,
+        "outputs": outputs,
+        "versions": versions(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+    write_json(Path(out_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(out_dir: str | os.PathLike, *, stage: str | None = None) -> dict[str, Any]:
+    """Read a stage's manifest; with ``stage``, check that it was written by that stage."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        made_by = f"`eyas {stage}`" if stage else "an eyas stage"
+        raise EyasError(f"{path} not found: {out_dir} was not made by {made_by} (or it did not finish)")
+    manifest = read_json(path, what="manifest")
+    if stage is not None and manifest.get("stage") != stage:
+        raise EyasError(f"{path} was written by `eyas {manifest.get('stage')}`, not `eyas {stage}`")
+    return manifest
+
+
+def manifest_matches(
+    out_dir: str | os.PathLike, *, stage: str, inputs: dict[str, Any], settings: dict[str, Any]
+) -> bool:
+    """True when ``out_dir`` holds a finished ``stage`` made from the same inputs and settings."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    norm = lambda x: json.loads(json.dumps(x, sort_keys=True, default=str))  # noqa: E731 (tuples -> lists)
+    return m.get("stage") == stage and m.get("inputs") == norm(inputs) and m.get("settings") == norm(settings)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputLock:
+    """One writer per output directory: ``.eyas.lock`` holds the writer's pid.
+
+    A lock left by a dead process (kill -9) is taken over; a live one is an
+    error that names the pid. Use as a context manager.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.dir = Path(out_dir)
+        self.path = self.dir / ".eyas.lock"
+        self._held = False
+
+    def __enter__(self) -> "OutputLock":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    pid = int(self.path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and _pid_alive(pid):
+                    raise EyasError(
+                        f"another eyas process (pid {pid}) is writing {self.dir}; wait for it to finish "
+                        f"or stop it (if no such process runs, remove {self.path})"
+                    ) from None
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()  # stale: its writer died
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self._held = True
+            return self
+        raise EyasError(f"could not take the lock {self.path}; remove it if no eyas process is running")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._held = False
+
+
+def check_free_disk(path: str | os.PathLike, *, needed: int, what: str) -> None:
+    """Stop before a long write that cannot fit: ``needed`` bytes (an estimate) at ``path``."""
+    p = Path(path)
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if needed > free:
+        raise EyasError(
+            f"{what} needs about {human_bytes(needed)} but {p} has {human_bytes(free)} free; "
+            "free space, choose another --out, or write fewer bytes (e.g. --dtype fp8)"
+        )
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError

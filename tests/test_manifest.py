@@ -1,0 +1,69 @@
+"""Atomic writes, manifests, the output lock and the disk check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eyas.errors import EyasError
+from eyas.manifest import (
+    OutputLock,
+    atomic_path,
+    check_free_disk,
+    manifest_matches,
+    read_manifest,
+    write_json,
+    write_manifest,
+)
+
+
+def test_atomic_file_survives_failure(tmp_path):
+    target = tmp_path / "a.json"
+    write_json(target, {"x": 1})
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert target.read_text().strip().startswith("{") and list(tmp_path.iterdir()) == [target]
+
+
+def test_atomic_dir_replaces(tmp_path):
+    target = tmp_path / "d"
+    for n in (1, 2):
+        with atomic_path(target, is_dir=True) as tmp:
+            (tmp / "f").write_text(str(n))
+    assert (target / "f").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_manifest_roundtrip_and_match(tmp_path):
+    write_manifest(tmp_path, stage="vocab", inputs={"data": "abc"}, settings={"n": (1, 2)}, outputs={"f": 1})
+    assert read_manifest(tmp_path, stage="vocab")["outputs"] == {"f": 1}
+    assert manifest_matches(tmp_path, stage="vocab", inputs={"data": "abc"}, settings={"n": (1, 2)})
+    assert not manifest_matches(tmp_path, stage="vocab", inputs={"data": "abd"}, settings={"n": (1, 2)})
+    with pytest.raises(EyasError, match="written by `eyas vocab`, not `eyas extract`"):
+        read_manifest(tmp_path, stage="extract")
+    with pytest.raises(EyasError, match="not made by `eyas train`"):
+        read_manifest(tmp_path / "nothing", stage="train")
+
+
+def test_lock_one_writer(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".eyas.lock").write_text(str(sleeper.pid))
+        with pytest.raises(EyasError, match=f"pid {sleeper.pid}"):
+            with OutputLock(tmp_path):
+                pass
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with OutputLock(tmp_path):  # the holder died: its lock is stale and taken over
+        assert (tmp_path / ".eyas.lock").read_text() == str(os.getpid())
+    assert not (tmp_path / ".eyas.lock").exists()
+
+
+def test_disk_check(tmp_path):
+    check_free_disk(tmp_path, needed=1, what="a tiny write")
+    with pytest.raises(EyasError, match=r"needs about .* free"):
+        check_free_disk(tmp_path / "sub", needed=1 << 60, what="features")

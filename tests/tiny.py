@@ -1,0 +1,247 @@
+"""Tiny random verifiers built on the fly (nothing large is committed).
+
+Each builder writes a real Hugging Face checkpoint directory (config.json,
+safetensors, tokenizer) with transformers' own classes and returns a
+:class:`Tiny` that can rebuild the reference model from the in-memory state
+dict, independently of eyas's loading code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+VOCAB = 512
+HIDDEN = 64
+LAYERS = 8  # default aux layers [2, 4, 5]
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A speculative decoder drafts tokens that a verifier checks.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Explain why the sky is blue in simple terms. Rayleigh scattering makes short wavelengths scatter more.",
+    "User: hello there! Assistant: Hi, how can I help you today? 1 2 3 4 5 6 7 8 9 10",
+    "Write a haiku about autumn leaves falling slowly onto a quiet pond at dusk.",
+    "Numbers: 3.14159, 2.71828, 1.41421; lists [1, 2, 3]; dicts {'a': 1}; JSON {\"key\": \"value\"}.",
+]
+
+
+def make_tokenizer(vocab_size: int = VOCAB):
+    """A byte-level BPE tokenizer with ChatML special tokens and chat template (covers any text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+@dataclass
+class Tiny:
+    """A tiny verifier on disk plus what is needed to rebuild its reference model in memory."""
+
+    path: Path
+    config: Any  # the transformers config of the text model
+    model_cls: type
+    state_dict: dict[str, torch.Tensor] = field(repr=False)
+
+    def reference(self) -> torch.nn.Module:
+        model = self.model_cls(self.config)
+        model.load_state_dict(self.state_dict)
+        return model.eval()
+
+
+def _common(**over: Any) -> dict[str, Any]:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(over)
+    return base
+
+
+def _build(config, model_cls, seed: int):
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # random norms, so a wrong norm cannot hide behind all-ones weights
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _save(model, tok, path: Path, config, model_cls) -> Tiny:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    return Tiny(path, config, model_cls, sd)
+
+
+def llama(path: Path, *, tied: bool = False, seed: int = 0) -> Tiny:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**_common(tie_word_embeddings=tied))
+    return _save(_build(cfg, LlamaForCausalLM, seed), make_tokenizer(), path, cfg, LlamaForCausalLM)
+
+
+def qwen3(path: Path, *, seed: int = 1) -> Tiny:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**_common(head_dim=16, tie_word_embeddings=False))
+    return _save(_build(cfg, Qwen3ForCausalLM, seed), make_tokenizer(), path, cfg, Qwen3ForCausalLM)
+
+
+def mistral(path: Path, *, seed: int = 2) -> Tiny:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(**_common(head_dim=16, sliding_window=None))
+    return _save(_build(cfg, MistralForCausalLM, seed), make_tokenizer(), path, cfg, MistralForCausalLM)
+
+
+def gemma(path: Path, *, seed: int = 3) -> Tiny:
+    """Gemma: tied head, ``(1 + w)`` RMSNorm, embeddings scaled by sqrt(H) inside the model."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(**_common(head_dim=16, tie_word_embeddings=True))
+    return _save(_build(cfg, GemmaForCausalLM, seed), make_tokenizer(), path, cfg, GemmaForCausalLM)
+
+
+def _deepseek_config(**over: Any):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **_common(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+            tie_word_embeddings=False,
+            **over,
+        )
+    )
+
+
+def deepseek_v3(path: Path, *, seed: int = 4) -> Tiny:
+    """DeepseekV3: MoE with MLA attention, as in Kimi-K2.5's text model."""
+    from transformers import DeepseekV3ForCausalLM
+
+    cfg = _deepseek_config()
+    return _save(_build(cfg, DeepseekV3ForCausalLM, seed), make_tokenizer(), path, cfg, DeepseekV3ForCausalLM)
+
+
+REMOTE_SENTINEL = "REMOTE_CODE_WAS_IMPORTED"
+_REMOTE_MODULE = """
+# Remote code that eyas must never import: importing it leaves a sentinel file and fails.
+from pathlib import Path
+Path(__file__).with_name({sentinel!r}).write_text("imported")
+raise RuntimeError("eyas imported checkpoint code from " + __file__)
+"""
+
+
+def kimi_like(path: Path, *, seed: int = 5, shards: int = 3) -> Tiny:
+    """A Kimi-K2.5-like wrapper: unknown top-level model_type, a deepseek_v3 ``text_config``, weights under
+    ``language_model.model.*`` / ``language_model.lm_head.*`` beside a vision tower, split over shards with
+    an index, and an ``auto_map`` naming modules whose import fails (and leaves a sentinel)."""
+    import tempfile
+
+    from transformers import DeepseekV3ForCausalLM
+
+    cfg = _deepseek_config()
+    model = _build(cfg, DeepseekV3ForCausalLM, seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        on_disk = load_file(str(Path(tmp) / "model.safetensors"))
+        text_cfg = json.loads((Path(tmp) / "config.json").read_text())
+    weights = {f"language_model.{k}": v for k, v in on_disk.items()}
+    g = torch.Generator().manual_seed(seed)
+    weights["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=g)
+    weights["vision_tower.encoder.layers.0.norm.weight"] = torch.randn(32, generator=g)
+    weights["multi_modal_projector.linear_1.weight"] = torch.randn(HIDDEN, 32, generator=g)
+    path.mkdir(parents=True, exist_ok=True)
+    keys = sorted(weights)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k].contiguous() for k in keys[i::shards]}
+        save_file(part, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    total = sum(v.numel() * v.element_size() for v in weights.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    top = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+        },
+        "text_config": text_cfg,
+        "vision_config": {"model_type": "moonvit", "hidden_size": 32, "patch_size": 2},
+        "media_placeholder_token_id": 3,
+        "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(top, indent=2))
+    for mod in ("configuration_kimi_k25.py", "modeling_kimi_k25.py"):
+        (path / mod).write_text(_REMOTE_MODULE.format(sentinel=REMOTE_SENTINEL))
+    make_tokenizer().save_pretrained(path)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
+
+
+BUILDERS: dict[str, Callable[..., Tiny]] = {
+    "llama": llama,
+    "llama_tied": lambda p: llama(p, tied=True, seed=6),
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "gemma": gemma,
+    "deepseek_v3": deepseek_v3,
+    "kimi_like": kimi_like,
+}
