@@ -245,3 +245,45 @@ BUILDERS: dict[str, Callable[..., Tiny]] = {
     "deepseek_v3": deepseek_v3,
     "kimi_like": kimi_like,
 }
+
+
+def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verifier: Path) -> Path:
+    """Write prepared rows in the ``eyas prepare`` format (see ``eyas.datasets``) without a chat template,
+    for tests of later stages that need exact, hand-made token ids and loss masks."""
+    import datasets
+
+    from eyas.datasets import PREPARED_ROWS
+    from eyas.manifest import atomic_path, write_manifest
+    from eyas.verifier import fingerprint, resolve
+
+    info = resolve(verifier)
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": [list(map(int, ids)) for ids, _ in rows],
+            "loss_mask": [list(map(int, m)) for _, m in rows],
+            "seq_len": [len(ids) for ids, _ in rows],
+            "row_id": list(range(len(rows))),
+        },
+        features=datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int32")),
+                "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                "seq_len": datasets.Value("int32"),
+                "row_id": datasets.Value("int64"),
+            }
+        ),
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path / PREPARED_ROWS, is_dir=True) as tmp:
+        ds.save_to_disk(str(tmp))
+    write_manifest(
+        path,
+        stage="prepare",
+        inputs={"verifier": fingerprint(info), "chat_template_sha256": None, "source": "tests.tiny.write_prepared"},
+        settings={},
+        outputs={"rows": len(rows), "tokens": sum(len(i) for i, _ in rows),
+                 "masked_tokens": sum(sum(m) for _, m in rows)},  # fmt: skip
+        verifier_path=str(info.path),
+        vocab_size=info.vocab_size,
+    )
+    return path
