@@ -48,7 +48,7 @@ def _inference_logits(model: Eagle3Draft, ids, aux, t: int, k: int, offset: int 
     return out
 
 
-@pytest.mark.parametrize("layout", [{}, {"norm_before_residual": True}, {"norm_before_fc": True}])
+@pytest.mark.parametrize("layout", [{}, {"norm_before_residual": True}, {"norm_before_fc": True}, {"norm_output": True}])
 def test_ttt_equals_inference(layout):
     torch.manual_seed(1)
     T, steps = 20, 4

@@ -65,7 +65,8 @@ class DraftConfig:
     # norm_before_residual to true; SGLang always uses the un-normed residual). The plain EAGLE-3 layout that
     # every vLLM and SGLang release loads is all-false.
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators' default: true)
-    norm_before_fc: bool = False  # RMSNorm over the concatenated aux states before fc
+    norm_before_fc: bool = False  # RMSNorm (`input_norm`) over the concatenated aux states before fc
+    norm_output: bool = False  # feed the *normed* output to the next step (speculators' "Eagle 3.1")
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
@@ -389,7 +390,7 @@ class Eagle3Draft(nn.Module):
         self.attn_implementation: AttnImpl = attn_implementation
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen: the verifier's
-        self.fc_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -425,8 +426,8 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, 3*H_target] verifier aux states (ascending layer order) -> [B, T, H]."""
-        if self.fc_norm is not None:
-            aux_hidden = self.fc_norm(aux_hidden)
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, context):
@@ -435,14 +436,16 @@ class Eagle3Draft(nn.Module):
         ``input_ids [B, T]`` are the tokens *after* the positions whose states
         ``hidden [B, T, H]`` carry (fused verifier states, or the draft's own
         pre-norm output of the previous step); ``position_ids [B, T]``.
-        Returns ``(normed, prenorm)``, both ``[B, T, H]``: logits come from
-        :meth:`compute_logits` on ``normed``, and ``prenorm`` is the hidden
-        state the next step consumes (vLLM's ``hidden_prenorm``).
+        Returns ``(normed, next_hidden)``, both ``[B, T, H]``: logits come from
+        :meth:`compute_logits` on ``normed``, and ``next_hidden`` is the state
+        the next step consumes: the pre-norm output (vLLM's ``hidden_prenorm``),
+        or ``normed`` with ``norm_output``.
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
-        return self.norm(prenorm), prenorm
+        normed = self.norm(prenorm)
+        return normed, normed if self.config.norm_output else prenorm
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits ``[..., draft_vocab]``."""
