@@ -150,3 +150,21 @@ def test_config_from_verifier_mla_gets_gqa():
     cfg = DraftConfig.from_verifier(llama, draft_vocab_size=8192, aux_layer_ids=[2, 15, 27])
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+def test_rope_matches_transformers_and_stays_fp32():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    for params in ({"rope_type": "default", "rope_theta": 10000.0}, rope):
+        cfg = _config(rope_parameters=params, max_position_embeddings=512)
+        model = Eagle3Draft(cfg)
+        ref = LlamaRotaryEmbedding(cfg.llama_config())
+        x = torch.zeros(1, dtype=torch.float32)
+        pos = torch.arange(300)[None]
+        for a, b in zip(model.rotary_emb(x, pos), ref(x, pos)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        model.to(torch.bfloat16)
+        cos, _ = model.rotary_emb(x, pos)
+        torch.testing.assert_close(cos, ref(x, pos)[0], rtol=0, atol=0)  # frequencies were not rounded

@@ -157,6 +157,37 @@ class DraftConfig:
         return cls(**params)
 
 
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin as transformers' Llama computes them, with the inverse frequencies kept in fp32.
+
+    They are a plain attribute, not a buffer, so ``model.to(torch.bfloat16)``
+    cannot round them (bf16 frequencies shift long-context angles).
+    """
+
+    def __init__(self, cfg: "DraftConfig") -> None:
+        super().__init__()
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+            self.attention_scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unknown rope_type {rope_type!r}")
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.llama_config(), "cpu")
+        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._inv_freq.get(x.device)
+        if inv is None:
+            inv = self._inv_freq[x.device] = self._inv_freq[torch.device("cpu")].to(x.device)
+        freqs = position_ids[..., None].float() * inv  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in fp32, scale in the input dtype (transformers ``LlamaRMSNorm``)."""
 
@@ -384,8 +415,6 @@ class Eagle3Draft(nn.Module):
 
     def __init__(self, cfg: DraftConfig, *, attn_implementation: AttnImpl = "sdpa") -> None:
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
         self.config = cfg
         self.attn_implementation: AttnImpl = attn_implementation
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -397,7 +426,7 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
+        self.rotary_emb = RotaryEmbedding(cfg)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
