@@ -164,9 +164,9 @@ def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_
         if name in ("d2t", "t2d") and cfg.draft_vocab_size == cfg.vocab_size:
             continue
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
-    meta = {"format": "pt", "producer": f"eyas {__version__}"}
     with atomic_path(out / WEIGHTS) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        # One metadata key only: safetensors writes metadata in hash-map order, which would break byte-stable saves.
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     dname = str(dtype).removeprefix("torch.")
     conf = config_dict(cfg, verifier_name_or_path=verifier_name_or_path, verifier_architectures=verifier_architectures,
                        speculative_tokens=speculative_tokens, dtype=dname)  # fmt: skip
