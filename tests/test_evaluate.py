@@ -1,0 +1,380 @@
+"""eyas eval: speculative decoding is lossless (greedy: token for token; sampling: in distribution), the caches
+roll back exactly, the statistics mean what they say, and TTT predicts what decoding accepts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import eyas.evaluate as ev
+from eyas.evaluate import (
+    DraftRunner,
+    VerifierRunner,
+    acceptance_stats,
+    plain_generate,
+    predicted_tau,
+    random_draft,
+    speculative_generate,
+    ttt_chain_lengths,
+    verify_greedy,
+    verify_sampled,
+)
+from eyas.verifier import build_text_model, forward_hidden_states, load_tokenizer, resolve
+
+PROMPTS = ["Tell me about dogs.", "What is 2+2?", "Write some python code"]
+K = 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and other jobs share these two cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _chisq_pvalue(stat: float, df: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _fit(draft, seqs: torch.Tensor, aux: torch.Tensor, target: torch.Tensor, *, steps: int, lr: float, ttt: int,
+         soft: bool = False):  # fmt: skip
+    """A short TTT fit of ``draft`` to the verifier: hard targets (its greedy tokens) or soft ones (its
+    distribution restricted to the draft vocab). Step k at index t predicts the verifier at t+1+k."""
+    draft.train()
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    T = seqs.shape[1]
+    for _ in range(steps):
+        loss = 0.0
+        for k, normed in enumerate(draft.ttt(seqs, aux, steps=ttt)):
+            logq = torch.log_softmax(draft.compute_logits(normed[:, : T - 2 - k]), -1)
+            tgt = target[:, 1 + k : T - 1]
+            loss = loss - ((tgt * logq).sum(-1).mean() if soft else logq.gather(-1, tgt[..., None]).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+# --------------------------------------------------------------------------- acceptance kernels
+
+
+def test_verify_greedy_cases():
+    V = 6
+    logits = torch.full((3, 4, V), -1.0)
+    greedy = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    logits.scatter_(-1, greedy[..., None], 1.0)
+    drafts = torch.tensor([[1, 2, 3], [1, 5, 3], [0, 2, 3]])  # all accepted; second rejected; first rejected
+    accepted, nxt = verify_greedy(logits, drafts)
+    assert accepted.tolist() == [3, 1, 0]
+    assert nxt.tolist() == [4, 2, 1]  # bonus token; the verifier's correction at the first mismatch
+
+
+def _sampled_outputs(verify, p, q, drafts_gen, n):
+    """First and second emitted token of n rounds with fixed p [K+1, V], q [K, V]; drafts sampled from q."""
+    g = torch.Generator().manual_seed(0)
+    Kp = q.shape[0]
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=drafts_gen) for j in range(Kp)], 1)
+    accepted, nxt = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, generator=g)
+    first = torch.where(accepted >= 1, drafts[:, 0], nxt)
+    second = torch.where(accepted >= 2, drafts[:, 1], nxt)[accepted >= 1]  # produced when the first was a draft
+    return first, second
+
+
+def _broken_resample_from_p(target_probs, draft_probs, draft_tokens, *, generator=None):
+    """The classic bug: after a rejection, sample from p instead of norm(max(0, p - q))."""
+    accepted, _ = verify_sampled(target_probs, draft_probs, draft_tokens, generator=generator)
+    rows = torch.arange(target_probs.shape[0])
+    return accepted, torch.multinomial(target_probs[rows, accepted], 1, generator=generator)[:, 0]
+
+
+def test_verify_sampled_follows_the_target_distribution():
+    """Rejection sampling emits tokens distributed as p (chi-square over 200k rounds), including tokens the
+    draft cannot propose (q = 0 there); the same test rejects the classic resample-from-p bug."""
+    torch.manual_seed(0)
+    V, n = 5, 200_000
+    p = torch.softmax(torch.randn(3, V, dtype=torch.float64) * 1.5, -1)  # positions 0..K for K = 2
+    q = torch.softmax(torch.randn(2, V, dtype=torch.float64) * 1.5, -1)
+    q[:, 3] = 0  # token 3 is outside the draft vocab
+    q = q / q.sum(-1, keepdim=True)
+
+    def pvalues(verify):
+        first, second = _sampled_outputs(verify, p, q, torch.Generator().manual_seed(1), n)
+        out = []
+        for tokens, probs in ((first, p[0]), (second, p[1])):
+            counts = torch.bincount(tokens, minlength=V).double()
+            expected = probs * tokens.numel()
+            out.append(_chisq_pvalue(float(((counts - expected) ** 2 / expected).sum()), V - 1))
+        return out
+
+    assert min(pvalues(verify_sampled)) > 1e-3
+    assert max(pvalues(_broken_resample_from_p)) < 1e-9  # the test has the power to see a wrong residual
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_acceptance_stats_and_predicted_tau():
+    s = acceptance_stats([0, 3, 1, 3, 2, 0], 3)
+    assert s["accepted_length_histogram"] == [2, 1, 1, 2]
+    assert s["tau"] == pytest.approx((0 + 3 + 1 + 3 + 2 + 0 + 6) / 6)
+    assert s["acceptance_per_position"] == pytest.approx([4 / 6, 3 / 6, 2 / 6])  # unconditional
+    assert s["conditional_acceptance_per_position"] == pytest.approx([4 / 6, 3 / 4, 2 / 3])
+    # tau = 1 + sum_k P(first k+1 accepted) = 1 + sum of the unconditional rates = predicted_tau(conditional)
+    assert predicted_tau(s["conditional_acceptance_per_position"]) == pytest.approx(s["tau"])
+    assert acceptance_stats([], 2)["tau"] == 0.0
+
+
+# --------------------------------------------------------------------------- greedy losslessness on tiny verifiers
+
+
+@pytest.fixture(scope="module")
+def setups(make_tiny):
+    """Per tiny verifier: model (loaded by eyas), tokenizer, encoded chat prompts, a random and a fitted draft."""
+    cache = {}
+
+    def get(name):
+        if name in cache:
+            return cache[name]
+        t = make_tiny(name)
+        info = resolve(t.path)
+        model = build_text_model(info)
+        tok = load_tokenizer(info)
+        eos = ev.end_of_turn_ids(tok)
+        prompts = [ev._encode(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
+        # Fitted draft: a short TTT fit on the verifier's own greedy answers to these prompts (their first 24
+        # tokens), so acceptance is high there and falls off past them: rounds with 0, some and all K accepted.
+        base = VerifierRunner(model, aux_layer_ids=None, static=False)
+        rows = [ids + plain_generate(base, ids, max_new_tokens=24, eos_ids=set()).tokens for ids in prompts]
+        L = min(map(len, rows))
+        seqs = torch.tensor([r[:L] for r in rows])
+        aux, _ = forward_hidden_states(model, seqs, layer_ids=info.aux_layer_ids)
+        with torch.no_grad():
+            target = model(seqs).logits.argmax(-1)
+        fitted = _fit(random_draft(info, seed=1), seqs, aux, target, steps=100, lr=3e-3, ttt=K)
+        cache[name] = (t, info, model, eos, prompts, {"random": random_draft(info, seed=0), "fitted": fitted})
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek_v3", "kimi_like"])
+def test_greedy_speculative_decoding_is_lossless(setups, name):
+    t, info, model, eos, prompts, drafts = setups(name)
+    reference = t.reference()  # transformers' own model from the in-memory weights, independent of eyas's loading
+    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    taus = {}
+    for kind, draft in drafts.items():
+        spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+        dr = DraftRunner(draft)
+        accepted = []
+        for ids in prompts:
+            with spec:
+                out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+            plain = plain_generate(base, ids, max_new_tokens=40, eos_ids=eos)
+            assert out.tokens == plain.tokens, f"{name}/{kind}: speculative output differs from greedy"
+            ref = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=40, eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
+            assert plain.tokens == ref[0, len(ids) :].tolist(), f"{name}: our greedy loop differs from generate"
+            assert sum(a + 1 for a in out.accepted) + 1 >= len(out.tokens)  # every token came from a round
+            accepted += out.accepted
+        taus[kind] = acceptance_stats(accepted, K)
+    assert taus["random"]["tau"] < 1.3
+    fitted = taus["fitted"]
+    assert fitted["tau"] > 1.5, fitted
+    hist = fitted["accepted_length_histogram"]
+    assert hist[K] > 0 and hist[0] + sum(hist[1:K]) > 0, hist  # full acceptance (bonus) and rejections
+
+
+def test_static_cache_is_lossless_and_matches_dynamic(setups):
+    _, info, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    outs = {}
+    for static in (False, True):
+        spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=static)
+        base = VerifierRunner(model, aux_layer_ids=None, static=static)
+        dr = DraftRunner(draft)
+        outs[static] = []
+        for ids in prompts:  # one static cache serves every prompt: rollback to 0 between them
+            with spec:
+                out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+            assert out.tokens == plain_generate(base, ids, max_new_tokens=40, eos_ids=eos).tokens
+            outs[static].append((out.tokens, out.accepted))
+    assert outs[True] == outs[False]
+
+
+def test_rollback_equals_a_fresh_run(setups):
+    """After a rejection, the draft's next proposals equal those of a fresh run from the same prefix, and the
+    draft cache holds exactly what a fresh pass over the verifier's states of the final sequence computes."""
+    _, info, model, eos, prompts, drafts = setups("qwen3")
+    draft = drafts["fitted"]
+    spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    dr = DraftRunner(draft)
+    ids = prompts[2]
+    with spec:
+        out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
+    rounds = [r for r in range(1, len(out.accepted)) if out.accepted[r - 1] < K]  # rounds right after a rejection
+    assert rounds, out.accepted
+    emitted = 1  # tokens emitted before round r: the prefill's token, then a + 1 per round
+    starts = []
+    for a in out.accepted:
+        starts.append(emitted)
+        emitted += a + 1
+    fresh_spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    fresh_dr = DraftRunner(draft)
+    for r in rounds[:4]:
+        prefix = ids + out.tokens[: starts[r] - 1]  # a fresh run re-emits token starts[r]-1 from its prefill
+        with fresh_spec:
+            fresh = speculative_generate(fresh_spec, fresh_dr, prefix, max_new_tokens=2, draft_tokens=K, eos_ids=set())
+        assert fresh.tokens[0] == out.tokens[starts[r] - 1]
+        assert fresh.proposals[0] == out.proposals[r], f"round {r}"
+    # The cache after the run: positions 0..m-1 valid, each computed from the verifier's state there.
+    seq = torch.tensor(ids + out.tokens)
+    m = len(ids) + starts[-1] - 1  # the last round's start: its drafted entries were dropped, no catch-up followed
+    valid = dr.cache.valid[0]
+    assert valid[:m].all() and not valid[m:].any()
+    aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
+    cache = draft.new_cache(batch_size=1, max_len=dr.cache.max_len)
+    with torch.no_grad():
+        draft.step(seq[None, 1 : m + 1], draft.fuse(aux[:, :m]), torch.arange(m)[None], cache)
+    torch.testing.assert_close(dr.cache.k[:, :, :m], cache.k[:, :, :m], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dr.cache.v[:, :, :m], cache.v[:, :, :m], rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_predicts_the_accepted_length_of_every_round(setups):
+    """The draft's TTT over the decoded sequence accepts, at each round's start, exactly what decoding accepted:
+    eval measures the function training optimises."""
+    _, info, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    dr = DraftRunner(draft)
+    checked = set()
+    for ids in prompts:
+        with spec:
+            out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
+        seq = torch.tensor(ids + out.tokens)
+        aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
+        with torch.no_grad():
+            greedy = model(seq[None]).logits[0].argmax(-1)
+        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, steps=K)
+        m = len(ids)  # position of the last emitted token at the start of round 0
+        for a in out.accepted:
+            if m - 1 < lengths.shape[0]:  # the sequence covers this round's K + 1 positions
+                assert int(lengths[m - 1]) == a
+                checked.add(a)
+            m += a + 1
+    assert 0 in checked and K in checked, checked
+
+
+# --------------------------------------------------------------------------- sampling losslessness
+
+
+def test_sampled_speculative_decoding_follows_the_verifier():
+    """At T = 1 the tokens the loop emits follow the verifier's conditional distributions: the martingale
+    chi-square statistic sum_t (onehot(x_t) - p_t), with covariance sum_t diag(p_t) - p_t p_t^T, is
+    chi-square(V - 1) under the null. The draft vocab (6 of 8 tokens) forces resampling outside it, and the
+    same run with the resample-from-p bug is rejected, so the test has power."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.model import DraftConfig, Eagle3Draft
+
+    V = 8
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # weak attention: the next token depends mostly (not only) on the current one
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.2)
+    dcfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       vocab_size=V, draft_vocab_size=6, aux_layer_ids=[0, 1, 2], initializer_range=0.5)  # fmt: skip
+    draft = Eagle3Draft(dcfg)
+    used = torch.tensor([0, 1, 2, 4, 5, 7])
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab(d2t=used - torch.arange(6), t2d=t2d)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+        prompts = torch.randint(0, V, (48, 3))
+        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0,
+                              max_new_tokens=100, pad_token_id=0)  # fmt: skip
+        p_all = torch.softmax(model(seqs).logits, -1)[..., used]
+    aux, _ = forward_hidden_states(model, seqs, layer_ids=[0, 1, 2])
+    _fit(draft, seqs, aux, p_all, steps=200, lr=3e-3, ttt=2, soft=True)
+
+    def pvalue() -> tuple[float, dict]:
+        g = torch.Generator().manual_seed(0)
+        spec, dr = VerifierRunner(model, aux_layer_ids=[0, 1, 2], static=False), DraftRunner(draft)
+        D = torch.zeros(V, dtype=torch.float64)
+        C = torch.zeros(V, V, dtype=torch.float64)
+        accepted = []
+        for r in range(16):
+            prompt = [r % V, (r // V) % V, 5]
+            with spec:
+                out = speculative_generate(spec, dr, prompt, max_new_tokens=100, draft_tokens=2, eos_ids=set(),
+                                           temperature=1.0, generator=g)  # fmt: skip
+            accepted += out.accepted
+            with torch.no_grad():
+                p = torch.softmax(model(torch.tensor([prompt + out.tokens])).logits[0, 2:-1].double(), -1)  # [n, V]
+            D += (torch.nn.functional.one_hot(torch.tensor(out.tokens), V).double() - p).sum(0)
+            C += torch.diag_embed(p).sum(0) - p.T @ p
+        stat = float(D @ torch.linalg.pinv(C) @ D)
+        return _chisq_pvalue(stat, V - 1), acceptance_stats(accepted, 2)
+
+    p_ok, stats = pvalue()
+    assert p_ok > 1e-3, (p_ok, stats)
+    assert 0.15 < stats["acceptance_per_position"][0] < 0.9  # partial acceptance: both branches are exercised
+    orig = ev.verify_sampled
+    ev.verify_sampled = _broken_resample_from_p
+    try:
+        p_bad, _ = pvalue()
+    finally:
+        ev.verify_sampled = orig
+    assert p_bad < 1e-5, p_bad
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
+    info = resolve(smollm2_path)
+    tok = load_tokenizer(info)
+    eos = ev.end_of_turn_ids(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos
+    ids = ev._encode(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    draft = random_draft(info, seed=0)
+    spec = VerifierRunner(smollm2_model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    base = VerifierRunner(smollm2_model, aux_layer_ids=None, static=False)
+    with spec:
+        out = speculative_generate(spec, DraftRunner(draft), ids, max_new_tokens=16, draft_tokens=K, eos_ids=eos)
+    plain = plain_generate(base, ids, max_new_tokens=16, eos_ids=eos)
+    assert out.tokens == plain.tokens
+    ref = smollm2_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=16, eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
+    assert plain.tokens == ref[0, len(ids) :].tolist()
+    assert "Paris" in tok.decode(out.tokens)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
+    from eyas.checkpoint import save_draft
+
+    t, info, model, eos, prompts, drafts = setups("llama")
+    draft_dir = save_draft(tmp_path / "draft", drafts["fitted"], verifier_name_or_path=str(t.path),
+                           verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K,
+                           dtype=torch.float32)  # fmt: skip
+    report = ev.evaluate(verifier=str(t.path), draft=str(draft_dir), prompts=[PROMPTS[0], PROMPTS[1:]],
+                         max_new_tokens=24, out=str(tmp_path / "r.json"))  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "tau" in printed and "lossless" in printed
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["lossless"] is True and saved["num_prompts"] == 2 and saved["num_turns"] == 3
+    assert saved["draft_tokens"] == K and len(saved["acceptance_per_position"]) == K
+    assert saved["tau"] == pytest.approx(report["tau"]) and saved["tau"] > 1.5
+    assert saved["baseline_tokens_per_s"] > 0 and saved["tokens_per_s"] > 0
+    assert (tmp_path / "r_accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
