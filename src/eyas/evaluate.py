@@ -195,7 +195,7 @@ class VerifierRunner:
 class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map."""
 
-    def __init__(self, draft: Eagle3Draft, *, compile_mode: str | None = None) -> None:
+    def __init__(self, draft: Eagle3Draft, *, compile_mode: str | None = None, compiled_max_tokens: int = 0) -> None:
         self.draft = draft
         p = draft.fc.weight
         self.device, self.dtype = p.device, p.dtype
@@ -204,6 +204,7 @@ class DraftRunner:
         self.max_len = 0
         self._step = torch.compile(self._run, mode=compile_mode, dynamic=False) if compile_mode else self._run
         self.compiled = compile_mode is not None
+        self.compiled_max_tokens = compiled_max_tokens if self.compiled else 1 << 30
 
     def reset(self, max_len: int) -> None:
         if self.cache is not None and max_len <= self.max_len:
@@ -227,15 +228,16 @@ class DraftRunner:
         T = next_ids.shape[0]
         pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
         hidden = self.draft.fuse(aux[None].to(self.dtype))  # [1, T, H]
-        if T == 1 or not self.compiled:
+        if T <= self.compiled_max_tokens:  # after a verification round: 1..K+1 positions, one graph each
             return self._step(next_ids[None], hidden, pos)
-        return self._run(next_ids[None], hidden, pos)  # variable lengths run eagerly
+        return self._run(next_ids[None], hidden, pos)  # a prompt's length varies: eager
 
     @torch.no_grad()
     def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int):
         """One drafting step: the previous draft ``token [1]`` and ``next_hidden`` at ``position``."""
         pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
-        return self._step(token[None], hidden, pos)
+        # hidden may be a [1, 1, H] view of a longer output: give it the one stride compiled graphs were built for
+        return self._step(token[None], hidden.view(-1).view(1, 1, -1), pos)
 
 
 # --------------------------------------------------------------------------- decoding loops
@@ -480,6 +482,14 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
+def _conversation(p: EvalPrompt, answers: list[str], turn: int) -> list[dict[str, str]]:
+    """The messages up to user turn ``turn``: system, then each earlier turn with its answer."""
+    messages = [{"role": "system", "content": p.system}] if p.system else []
+    for q, a in zip(p.turns[:turn], answers):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return messages + [{"role": "user", "content": p.turns[turn]}]
+
+
 def _encode(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The chat template applied as the verifier's tokenizer ships it (no second BOS: the template writes it)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -602,6 +612,26 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 
 
+@torch.no_grad()
+def _warm_up(spec: VerifierRunner, base: VerifierRunner, draft: DraftRunner, *, draft_tokens: int, max_len: int) -> None:
+    """Compile (and, with CUDA graphs, record) every fixed shape the timed loops use, outside the timing:
+    verifier forwards over 1 (plain) and K + 1 (verification) tokens, draft steps over 1..K+1 positions."""
+    K = draft_tokens
+    ids = torch.arange(1, K + 2, device=spec.device)
+    for _ in range(3):  # cudagraph trees warm up, then record, then replay
+        base.reset(max_len)
+        base.forward(ids[:2], 0, last_only=True)  # an eager prefill first: the static cache is allocated outside graphs
+        base.forward(ids[2:3], 2)
+        with spec:
+            spec.reset(max_len)
+            spec.forward(ids[:1], 0, last_only=True)
+            _, aux = spec.forward(ids, 1)
+        draft.reset(max_len)
+        for T in range(1, K + 2):
+            _, hidden = draft.catch_up(ids[:T], aux[:T], 0)
+        draft.step(ids[:1], hidden, K + 1)
+
+
 def _report_paths(out: str | Path) -> tuple[Path, Path]:
     """``--out report.json`` names the report (the histogram goes beside it); any other path is a directory."""
     p = Path(out)
@@ -698,17 +728,19 @@ def evaluate(
     spec_runner = VerifierRunner(model, aux_layer_ids=d.config.aux_layer_ids, static=static, compile_mode=mode,
                                  compiled_lengths=(K + 1,))  # fmt: skip
     base_runner = VerifierRunner(model, aux_layer_ids=None, static=static, compile_mode=mode, compiled_lengths=(1,))
-    draft_runner = DraftRunner(d, compile_mode=mode)
+    draft_runner = DraftRunner(d, compile_mode=mode, compiled_max_tokens=K + 1)
+    # One cache of each kind for the whole run (static buffers keep their addresses for compiled graphs): sized
+    # for the longest conversation, every answer at max_new_tokens (plus slack for re-tokenising an answer).
+    longest = max(len(_encode(tokenizer, _conversation(p, ["" for _ in p.turns[1:]], len(p.turns) - 1)))
+                  + len(p.turns) * (max_new_tokens + 16) for p in plist) + K + 2  # fmt: skip
+    for runner in (spec_runner, base_runner, draft_runner):
+        runner.reset(longest)
     g_spec = torch.Generator(device=dev).manual_seed(seed)
     g_base = torch.Generator(device=dev).manual_seed(seed + 1)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature)
 
-    if mode is not None:  # compile and capture outside the timed runs, on the first prompt
-        warm = _encode(tokenizer, [{"role": "user", "content": plist[0].turns[0]}])
-        plain_generate(base_runner, warm, generator=g_base, **{**kw, "max_new_tokens": 8})
-        with spec_runner:
-            speculative_generate(spec_runner, draft_runner, warm, draft_tokens=K, generator=g_spec,
-                                 **{**kw, "max_new_tokens": 8})  # fmt: skip
+    if mode is not None:
+        _warm_up(spec_runner, base_runner, draft_runner, draft_tokens=K, max_len=longest)
 
     accepted: list[int] = []
     spec_tokens = spec_seconds = base_tokens = base_seconds = 0.0
@@ -717,11 +749,8 @@ def evaluate(
     bar = tqdm(total=sum(len(p.turns) for p in plist), desc="eyas eval", unit="turn")
     for p in plist:
         answers: list[str] = []
-        for ti, turn in enumerate(p.turns):
-            messages = [{"role": "system", "content": p.system}] if p.system else []
-            for q, a in zip(p.turns[:ti], answers):
-                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-            ids = _encode(tokenizer, messages + [{"role": "user", "content": turn}])
+        for ti in range(len(p.turns)):
+            ids = _encode(tokenizer, _conversation(p, answers, ti))
             with spec_runner:
                 spec = speculative_generate(spec_runner, draft_runner, ids, draft_tokens=K, generator=g_spec, **kw)
             accepted += spec.accepted
