@@ -231,6 +231,7 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
         "notes": notes,
         "splits": splits,
         "n": len(chunk),
+        "max_id": int(max((int(x.max()) for x in out_ids if len(x)), default=-1)),
     }
 
 
@@ -330,6 +331,11 @@ def prepare(
             for res in _run(job, convs, num_proc):
                 for reason, row, detail in res["notes"]:
                     report.add(reason, row, detail)
+                if res["max_id"] >= info.vocab_size:
+                    raise EyasError(
+                        f"the tokenizer of {info.path} produced token id {res['max_id']}, outside the model's vocab "
+                        f"of {info.vocab_size}: the tokenizer does not belong to this checkpoint"
+                    )
                 if len(res["lens"]):
                     tables.append(_rows_table(res["ids"], res["mask"], res["lens"], res["rows"]))
                 splits += res["splits"]
