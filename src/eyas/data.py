@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import re
 import sys
+import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -243,7 +244,8 @@ def _run(job: _Job, convs: list, num_proc: int):
         yield from map(_encode_chunk, chunks)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(job,)) as pool:
+    pool = ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(job,))
+    try:
         pending: deque = deque()
         for chunk in chunks:  # a bounded window: results are collected as they come, in order
             pending.append(pool.submit(_encode_chunk, chunk))
@@ -251,6 +253,8 @@ def _run(job: _Job, convs: list, num_proc: int):
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    finally:  # on an error or Ctrl-C, queued chunks are cancelled rather than waited for
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -324,6 +328,7 @@ def prepare(
     with OutputLock(out_dir):
         convs = list(iter_conversations(files, report, max_samples=max_samples, seed=seed))
         job = _Job(template, max_seq_len, on_overflow)
+        started = time.perf_counter()
         tables, splits, tokens, masked = [], 0, 0, 0
         from tqdm.auto import tqdm
 
@@ -346,6 +351,7 @@ def prepare(
             raise EyasError(
                 f"no rows left from {report.source}: every conversation was dropped\n" + "\n".join(report.summary_lines())
             )
+        seconds = time.perf_counter() - started
         table = pa.concat_tables(tables)
         with atomic_path(out_dir / PREPARED_ROWS, is_dir=True) as tmp:
             _save_quietly(datasets.Dataset(table), tmp)
@@ -364,6 +370,8 @@ def prepare(
             out_dir, stage="prepare", inputs=inputs, settings=settings, outputs=outputs,
             report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
             end_of_turn={"token": template.eot, "id": template.eot_id},
+            timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
+                    "num_proc": num_proc},
         )  # fmt: skip
     _print_summary(out_dir, outputs, report)
     return manifest

@@ -189,7 +189,7 @@ class SourceReport:
     rows_in: int = 0
     counts: Counter = field(default_factory=Counter)
     rows: dict[str, list[int]] = field(default_factory=dict)
-    details: list[str] = field(default_factory=list)  # the first few problems, spelled out
+    details: dict[str, list[str]] = field(default_factory=dict)  # the first few of each reason, spelled out
     strict: bool = False
 
     def where(self, row: int) -> str:
@@ -210,8 +210,9 @@ class SourceReport:
         listed = self.rows.setdefault(reason, [])
         if len(listed) < MAX_ROWS_LISTED:
             listed.append(row)
-        if detail and len(self.details) < 20:
-            self.details.append(f"row {row}: {reason}: {detail}")
+        said = self.details.setdefault(reason, [])
+        if detail and len(said) < 5:
+            said.append(f"row {row}: {detail}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -539,6 +540,8 @@ def load_prepared(path: str | os.PathLike):
     rows_dir = path / PREPARED_ROWS
     if not rows_dir.is_dir():
         raise EyasError(f"{rows_dir} is missing: {path} is not a finished `eyas prepare` output; run it again")
+    if manifest.get("outputs", {}).get("rows") == 0:
+        raise EyasError(f"{path} holds no rows: there is nothing to train on or count; prepare more data")
     ds = datasets.load_from_disk(str(rows_dir))
     missing = [c for c in PREPARED_COLUMNS if c not in ds.column_names]
     if missing:
