@@ -36,8 +36,9 @@ def chat_tokenizer(specials: list[str], *, bos: str | None, eos: str, template: 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
     tok.train_from_iterator((corpus or tiny.CORPUS) * 4, trainer)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(

@@ -84,7 +84,8 @@ def write_jsonl(path, convs, layout="openai"):
                 f.write(json.dumps({"messages": c}) + "\n")
             else:
                 roles = {"user": "human", "assistant": "gpt", "system": "system"}
-                f.write(json.dumps({"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in c]}) + "\n")
+                turns = [{"from": roles[m["role"]], "value": m["content"]} for m in c]
+                f.write(json.dumps({"conversations": turns}) + "\n")
     return path
 
 
@@ -247,7 +248,8 @@ def test_bad_rows_are_counted_and_strict_stops(tmp_path, verifiers):
     assert problems["control_token_in_text"]["rows"] == [3] and problems["unknown_role"]["rows"] == [4]
     assert sorted(load_prepared(tmp_path / "o")[0]["row_id"]) == [0, 4]
     with pytest.raises(EyasError, match=r"c\.jsonl: row 1 .*malformed"):
-        D.prepare(verifier=str(verifiers["qwen3"]), data=str(tmp_path / "c.jsonl"), out=str(tmp_path / "s"), strict=True)
+        D.prepare(verifier=str(verifiers["qwen3"]), data=str(tmp_path / "c.jsonl"), out=str(tmp_path / "s"),
+                  strict=True)  # fmt: skip
 
 
 def test_rerun_skips_and_pool_matches_in_process(tmp_path, verifiers, capsys):
@@ -296,7 +298,8 @@ def test_cli_prepare(tmp_path, verifiers, capsys):
 # Any character of the Basic Multilingual Plane, plus control-token and <think> fragments now and then.
 CHARS = st.characters(max_codepoint=0xFFFF, blacklist_categories=("Cs",))
 TEXT = st.text(CHARS, max_size=40)
-BODY = st.one_of(*[st.text(CHARS, min_size=1, max_size=60)] * 5, st.sampled_from(["<|im_end|>", "<|eot_id|>", "<think>"]))
+FRAGMENTS = st.sampled_from(["<|im_end|>", "<|eot_id|>", "<think>"])
+BODY = st.one_of(*[st.text(CHARS, min_size=1, max_size=60)] * 5, FRAGMENTS)
 CONTENT = st.builds(lambda pre, body, post: pre + body + post,
                     st.sampled_from(["", " ", "\n", "\n\n", "  \t"]), BODY.filter(str.strip),
                     st.sampled_from(["", " ", "\n", "\n\n"]))  # fmt: skip

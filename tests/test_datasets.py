@@ -112,7 +112,8 @@ def test_parquet_folder_numbers_rows_across_files(tmp_path):
 
 
 def test_max_samples_is_a_seeded_sample_in_source_order(tmp_path):
-    recs = [{"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "a"}]} for i in range(50)]
+    recs = [{"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "a"}]}
+            for i in range(50)]  # fmt: skip
     (tmp_path / "d.jsonl").write_text("\n".join(map(json.dumps, recs)))
     a, _ = conversations_of(tmp_path / "d.jsonl", max_samples=10, seed=1)
     b, _ = conversations_of(tmp_path / "d.jsonl", max_samples=10, seed=1)
@@ -172,7 +173,8 @@ def test_named_set_fetched_with_pip_when_not_installed(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- property test
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                     max_size=3),
                        max_leaves=8)  # fmt: skip
 ROLE = st.one_of(st.sampled_from(sorted(ROLES)), st.sampled_from(["GPT", "Human", "tool", "narrator"]), JSONISH)
 TURN = st.one_of(

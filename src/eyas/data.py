@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +43,7 @@ import pyarrow as pa
 
 from eyas.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.errors import EyasError
-from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json, write_manifest
+from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, write_manifest
 
 CHUNK = 128  # conversations per task handed to a worker
 PROBE_Q, PROBE_A = "eyas probe: a question?", "eyas probe: an answer."
@@ -202,7 +202,9 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
         texts.append(text)
         all_spans.append(spans)
     fast = getattr(tok, "is_fast", False)
-    encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if fast and texts else [None] * len(texts)
+    encs = [None] * len(texts)
+    if fast and texts:  # one batched call into the Rust tokenizer
+        encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     out_ids, out_mask, lens, out_rows = [], [], [], []
     splits = 0
     for row, text, spans, enc in zip(rows, texts, all_spans, encs):
@@ -319,7 +321,8 @@ def prepare(
     settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
                 "on_overflow": on_overflow}  # fmt: skip
     out_dir = Path(out)
-    if manifest_matches(out_dir, stage="prepare", inputs=inputs, settings=settings) and (out_dir / PREPARED_ROWS).is_dir():
+    done = (out_dir / PREPARED_ROWS).is_dir()
+    if done and manifest_matches(out_dir, stage="prepare", inputs=inputs, settings=settings):
         manifest = read_manifest(out_dir, stage="prepare")
         print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
         return manifest
@@ -349,7 +352,8 @@ def prepare(
                 bar.update(res["n"])
         if not tables:
             raise EyasError(
-                f"no rows left from {report.source}: every conversation was dropped\n" + "\n".join(report.summary_lines())
+                f"no rows left from {report.source}: every conversation was dropped\n"
+                + "\n".join(report.summary_lines())
             )
         seconds = time.perf_counter() - started
         table = pa.concat_tables(tables)

@@ -158,6 +158,9 @@ ROLES = {
     "bard": "assistant", "model": "assistant",
 }  # fmt: skip
 
+#: Where a turn's reasoning may sit (transformers aliases the same three to ``reasoning_content``).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
 #: Problems that are bad input: each is counted with its row numbers, and ``strict`` makes it fatal.
 PROBLEMS = {
     "malformed": "not a conversation (bad JSON, or no list under 'conversations'/'messages'): row dropped",
@@ -219,8 +222,10 @@ class SourceReport:
             "source": self.source,
             "files": self.files,
             "rows_in": self.rows_in,
-            "problems": {k: {"count": self.counts[k], "rows": self.rows.get(k, []), "what": PROBLEMS.get(k) or NOTES.get(k, k)}
-                         for k in sorted(self.counts)},  # fmt: skip
+            "problems": {
+                k: {"count": self.counts[k], "rows": self.rows.get(k, []), "what": PROBLEMS.get(k) or NOTES.get(k, k)}
+                for k in sorted(self.counts)
+            },
             "details": self.details,
         }
 
@@ -423,7 +428,7 @@ def normalize(obj: Any, row: int, report: SourceReport) -> list[dict[str, str]] 
             report.add("role_order", row, f"turn {k} ({role}) follows a {prev} turn")
             break
         msg = {"role": role, "content": text}
-        reasoning = next((turn[f] for f in ("reasoning_content", "reasoning", "thinking") if isinstance(turn.get(f), str)), None)
+        reasoning = next((turn[f] for f in REASONING_KEYS if isinstance(turn.get(f), str)), None)
         if role == "assistant" and reasoning:
             msg["reasoning_content"] = reasoning  # templates that know it (Qwen3) render it
         out.append(msg)
@@ -501,7 +506,9 @@ def load_prompts(
         keep = sorted(random.Random(seed).sample(range(len(prompts)), max_samples))
         prompts = [prompts[i] for i in keep]
     if not prompts:
-        raise EyasError(f"{report.source} holds no prompts (records need 'turns', 'prompt', 'conversations' or 'messages')")
+        raise EyasError(
+            f"{report.source} holds no prompts (records need 'turns', 'prompt', 'conversations' or 'messages')"
+        )
     return prompts, report
 
 
