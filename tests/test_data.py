@@ -348,3 +348,28 @@ def test_masks_align_with_turns_on_random_chats(templates, name, data):
     assert notes == []
     assert [decode(t.tok, x) for x in runs(ids, mask)] == EXPECTED[name](msgs)
     assert decode(t.tok, ids) == t.render(msgs)
+
+
+@pytest.mark.parametrize(("on_overflow", "max_len"), [("truncate", 64), ("drop", 200)])
+def test_long_rows_tokenized_by_prefix_match_whole_rows(templates, monkeypatch, on_overflow, max_len):
+    """The prefix shortcut for long rows (cut after an end-of-turn token) gives exactly what tokenizing the
+    whole row gives, whether the prefix already overflows or has to be redone in full."""
+    t = templates["qwen3"]
+    spaces = "x" + " " * 300  # many characters per token: the prefix under-fills and is redone
+    chats = [CONVS[1], CONVS[3]] + [
+        [m for i in range(k) for m in ({"role": "user", "content": f"question {i} " * (k + 1)},
+                                       {"role": "assistant", "content": (f"answer {i} " * 9) if k % 2 else spaces})]
+        for k in range(1, 9)
+    ]  # fmt: skip
+    chunk = list(enumerate(chats))
+
+    def run(cap):
+        monkeypatch.setattr(D, "CHARS_PER_TOKEN_CAP", cap)
+        D._init_worker(D._Job(t, max_len, on_overflow))
+        res = D._encode_chunk(chunk)
+        return res["ids"].tolist(), res["mask"].tolist(), res["rows"].tolist(), [n[:2] for n in res["notes"]]
+
+    whole = run(10**9)
+    assert whole[2] and len(whole[3]) > 2  # some rows kept, several truncated or dropped
+    for cap in (1, 2, 4, 8):
+        assert run(cap) == whole

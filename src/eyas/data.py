@@ -46,6 +46,7 @@ from eyas.errors import EyasError
 from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, write_manifest
 
 CHUNK = 128  # conversations per task handed to a worker
+CHARS_PER_TOKEN_CAP = 8  # a long row is first tokenized up to max_seq_len * 8 characters (see _encode_chunk)
 PROBE_Q, PROBE_A = "eyas probe: a question?", "eyas probe: an answer."
 
 
@@ -173,13 +174,9 @@ def _from_offsets(enc, spans: list[tuple[int, int]]) -> tuple[list[int], list[in
     return mask, ends
 
 
-def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, Any]:
-    """Tokenize and mask a chunk of conversations; returns flat arrays plus what was dropped and why."""
-    job = _JOB
-    assert job is not None
-    tmpl, tok = job.template, job.template.tok
-    notes: list[tuple[str, int, str]] = []
-    rows, texts, all_spans = [], [], []
+def _render(chunk: list[tuple[int, list[dict[str, str]]]], tmpl: ChatTemplate, notes: list) -> list[tuple]:
+    """``(row, text, spans)`` for each conversation the template can render and split; the rest go to notes."""
+    out = []
     for row, msgs in chunk:
         while msgs and msgs[-1]["role"] != "assistant":  # a trailing prompt has nothing to learn
             msgs = msgs[:-1]
@@ -198,27 +195,57 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
         except Exception as e:  # a template's raise_exception(), e.g. roles that must alternate
             notes.append(("template_error", row, f"{type(e).__name__}: {e}"))
             continue
-        rows.append(row)
-        texts.append(text)
-        all_spans.append(spans)
-    fast = getattr(tok, "is_fast", False)
-    encs = [None] * len(texts)
-    if fast and texts:  # one batched call into the Rust tokenizer
-        encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    out_ids, out_mask, lens, out_rows = [], [], [], []
-    splits = 0
-    for row, text, spans, enc in zip(rows, texts, all_spans, encs):
+        out.append((row, text, spans))
+    return out
+
+
+def _tokenize(tok, items: list[tuple[str, list[tuple[int, int]]]]) -> list[tuple[np.ndarray, np.ndarray, list, bool]]:
+    """``(ids, mask, turn ends, split?)`` per ``(text, spans)``: one batched whole-text encoding, and the
+    piecewise one for rows where a token straddles a turn boundary (or the tokenizer has no offsets)."""
+    encs = [None] * len(items)
+    if getattr(tok, "is_fast", False) and items:  # one batched call into the Rust tokenizer
+        encs = tok.backend_tokenizer.encode_batch([t for t, _ in items], add_special_tokens=False)
+    out = []
+    for (text, spans), enc in zip(items, encs):
         got = _from_offsets(enc, spans) if enc is not None else None
         if got is not None:
-            ids, (mask, ends) = np.asarray(enc.ids, dtype=np.int32), got
+            out.append((np.asarray(enc.ids, dtype=np.int32), got[0], got[1], False))
         else:
-            splits += enc is not None
-            ids_l, mask_l, ends = _piecewise(tok, text, spans)
-            ids, mask = np.asarray(ids_l, dtype=np.int32), np.asarray(mask_l, dtype=np.int8)
+            ids, mask, ends = _piecewise(tok, text, spans)
+            out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), ends, enc is not None))
+    return out
+
+
+def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, Any]:
+    """Tokenize and mask a chunk of conversations; returns flat arrays plus what was dropped and why.
+
+    A long conversation is first tokenized only up to the end of the last assistant turn within
+    ``max_seq_len * CHARS_PER_TOKEN_CAP`` characters. The cut falls right after an end-of-turn token, and a
+    tokenizer splits special tokens out before anything else, so the tokens before it are exactly those of
+    the whole text; if that prefix already exceeds ``max_seq_len``, the rest cannot matter, otherwise the
+    row is tokenized whole.
+    """
+    job = _JOB
+    assert job is not None
+    tok, cap = job.template.tok, job.max_seq_len * CHARS_PER_TOKEN_CAP
+    notes: list[tuple[str, int, str]] = []
+    rendered = _render(chunk, job.template, notes)
+    items, partial = [], []
+    for _, text, spans in rendered:
+        keep = [s for s in spans if s[1] <= cap] if len(text) > cap else spans
+        cut = 0 < len(keep) < len(spans)
+        items.append((text[: keep[-1][1]], keep) if cut else (text, spans))
+        partial.append(cut)
+    encoded = _tokenize(tok, items)
+    redo = [i for i, (enc, cut) in enumerate(zip(encoded, partial)) if cut and len(enc[0]) <= job.max_seq_len]
+    for i, enc in zip(redo, _tokenize(tok, [rendered[i][1:] for i in redo])):
+        encoded[i], partial[i] = enc, False
+    out_ids, out_mask, lens, out_rows = [], [], [], []
+    for (row, _, _), (ids, mask, ends, _), cut in zip(rendered, encoded, partial):
         if len(ids) > job.max_seq_len:
             fit = [e for e in ends if e <= job.max_seq_len]
             if job.on_overflow == "drop" or not fit:
-                notes.append(("too_long", row, f"{len(ids)} tokens"))
+                notes.append(("too_long", row, f"{'more than ' if cut else ''}{len(ids)} tokens"))
                 continue
             notes.append(("truncated", row, ""))
             ids, mask = ids[: fit[-1]], mask[: fit[-1]]
@@ -232,7 +259,7 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
         "lens": np.asarray(lens, dtype=np.int32),
         "rows": np.asarray(out_rows, dtype=np.int64),
         "notes": notes,
-        "splits": splits,
+        "splits": sum(e[3] for e in encoded),
         "n": len(chunk),
         "max_id": int(max((int(x.max()) for x in out_ids if len(x)), default=-1)),
     }
