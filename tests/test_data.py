@@ -373,3 +373,30 @@ def test_long_rows_tokenized_by_prefix_match_whole_rows(templates, monkeypatch, 
     assert whole[2] and len(whole[3]) > 2  # some rows kept, several truncated or dropped
     for cap in (1, 2, 4, 8):
         assert run(cap) == whole
+
+
+def test_interrupted_run_resumes_from_finished_parts(tmp_path, verifiers, monkeypatch):
+    monkeypatch.setattr(D, "CHUNK", 2)
+    monkeypatch.setattr(D, "PART", 1)
+    convs = [CONVS[i % len(CONVS)] for i in range(9)]
+    src, ver = str(write_jsonl(tmp_path / "c.jsonl", convs)), str(verifiers["qwen3"])
+    clean = D.prepare(verifier=ver, data=src, out=str(tmp_path / "clean"), num_proc=1)
+    real, calls = D._encode_chunk, []
+
+    def dies_on_the_third_chunk(chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(chunk)
+
+    monkeypatch.setattr(D, "_encode_chunk", dies_on_the_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        D.prepare(verifier=ver, data=src, out=str(tmp_path / "o"), num_proc=1)
+    assert not (tmp_path / "o" / "rows").exists() and not (tmp_path / "o" / "manifest.json").exists()
+    assert len(list((tmp_path / "o" / ".parts").rglob("*.arrow"))) == 2
+    monkeypatch.setattr(D, "_encode_chunk", real)
+    calls.clear()
+    resumed = D.prepare(verifier=ver, data=src, out=str(tmp_path / "o"), num_proc=1)
+    assert resumed["timing"]["resumed_parts"] == 2 and not (tmp_path / "o" / ".parts").exists()
+    assert resumed["outputs"] == clean["outputs"] and resumed["report"] == clean["report"]
+    assert load_prepared(tmp_path / "o")[0].to_dict() == load_prepared(tmp_path / "clean")[0].to_dict()

@@ -27,25 +27,36 @@ each piece after a newline that is then dropped, as transformers'
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
 
 from eyas.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.errors import EyasError
-from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, write_manifest
+from eyas.manifest import (
+    OutputLock,
+    atomic_path,
+    manifest_matches,
+    read_manifest,
+    sha256_json,
+    write_json,
+    write_manifest,
+)
 
 CHUNK = 128  # conversations per task handed to a worker
+PART = 32  # chunks per part file on disk: the unit an interrupted run resumes from
 CHARS_PER_TOKEN_CAP = 8  # a long row is first tokenized up to max_seq_len * 8 characters (see _encode_chunk)
 PROBE_Q, PROBE_A = "eyas probe: a question?", "eyas probe: an answer."
 
@@ -265,25 +276,77 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
     }
 
 
-def _run(job: _Job, convs: list, num_proc: int):
-    """Yield chunk results in order, from a pool of ``num_proc`` forked workers (or in-process)."""
-    chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]
-    if num_proc <= 1 or len(chunks) <= 1:
+def _run(job: _Job, tasks: list[tuple[int, list]], num_proc: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(index, result)`` for each ``(index, chunk)`` task, in order, from ``num_proc`` forked workers."""
+    if num_proc <= 1 or len(tasks) <= 1:
         _init_worker(job)
-        yield from map(_encode_chunk, chunks)
+        for i, chunk in tasks:
+            yield i, _encode_chunk(chunk)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(job,))
     try:
         pending: deque = deque()
-        for chunk in chunks:  # a bounded window: results are collected as they come, in order
-            pending.append(pool.submit(_encode_chunk, chunk))
+        for i, chunk in tasks:  # a bounded window: results are collected as they come, in order
+            pending.append((i, pool.submit(_encode_chunk, chunk)))
             if len(pending) >= 4 * num_proc:
-                yield pending.popleft().result()
+                i0, fut = pending.popleft()
+                yield i0, fut.result()
         while pending:
-            yield pending.popleft().result()
+            i0, fut = pending.popleft()
+            yield i0, fut.result()
     finally:  # on an error or Ctrl-C, queued chunks are cancelled rather than waited for
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Parts:
+    """Finished work on disk, ``PART`` chunks a file: rows as an Arrow file and what was noted as JSON,
+    so an interrupted run resumes from the last finished part and memory holds one part at a time."""
+
+    def __init__(self, out_dir: Path, key: str, n_chunks: int) -> None:
+        root = out_dir / ".parts"
+        if root.is_dir():  # parts of other inputs or settings are stale
+            for d in root.iterdir():
+                if d.name != key:
+                    shutil.rmtree(d, ignore_errors=True)
+        self.dir = root / key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.n = -(-n_chunks // PART)
+        self.root = root
+
+    def path(self, p: int, ext: str) -> Path:
+        return self.dir / f"part-{p:05d}.{ext}"
+
+    def done(self, p: int) -> dict[str, Any] | None:
+        if self.path(p, "json").is_file() and self.path(p, "arrow").is_file():
+            return json.loads(self.path(p, "json").read_text())
+        return None
+
+    def write(self, p: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+        tables = [_rows_table(r["ids"], r["mask"], r["lens"], r["rows"]) for r in results]
+        with atomic_path(self.path(p, "arrow")) as tmp, pa.OSFile(str(tmp), "wb") as sink:
+            with pa.ipc.new_file(sink, ROWS_SCHEMA) as w:
+                for t in tables:
+                    w.write_table(t)
+        summary = {
+            "notes": [n for r in results for n in r["notes"]],
+            "splits": sum(r["splits"] for r in results),
+            "tokens": sum(int(r["lens"].sum()) for r in results),
+            "masked": sum(int(r["mask"].sum(dtype=np.int64)) for r in results),
+            "rows": sum(len(r["lens"]) for r in results),
+            "max_id": max(r["max_id"] for r in results),
+            "n": sum(r["n"] for r in results),
+        }
+        write_json(self.path(p, "json"), summary)
+        return summary
+
+    def table(self) -> pa.Table:
+        """Every part's rows, memory-mapped."""
+        return pa.concat_tables(pa.ipc.open_file(pa.memory_map(str(self.path(p, "arrow")))).read_all()
+                                for p in range(self.n))  # fmt: skip
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -358,52 +421,62 @@ def prepare(
     with OutputLock(out_dir):
         convs = list(iter_conversations(files, report, max_samples=max_samples, seed=seed))
         job = _Job(template, max_seq_len, on_overflow)
+        chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]
+        parts = _Parts(out_dir, sha256_json({"inputs": inputs, "settings": settings})[:16], len(chunks))
         started = time.perf_counter()
-        tables, splits, tokens, masked = [], 0, 0, 0
+        totals = Counter()
         from tqdm.auto import tqdm
 
+        def account(summary: dict[str, Any]) -> None:
+            for reason, row, detail in summary["notes"]:
+                report.add(reason, row, detail)
+            if summary["max_id"] >= info.vocab_size:
+                raise EyasError(
+                    f"the tokenizer of {info.path} produced token id {summary['max_id']}, outside the model's "
+                    f"vocab of {info.vocab_size}: the tokenizer does not belong to this checkpoint"
+                )
+            totals.update({k: summary[k] for k in ("splits", "tokens", "masked", "rows")})
+            bar.update(summary["n"])
+
         with tqdm(total=len(convs), desc="prepare", unit="conv", file=sys.stderr, dynamic_ncols=True) as bar:
-            for res in _run(job, convs, num_proc):
-                for reason, row, detail in res["notes"]:
-                    report.add(reason, row, detail)
-                if res["max_id"] >= info.vocab_size:
-                    raise EyasError(
-                        f"the tokenizer of {info.path} produced token id {res['max_id']}, outside the model's vocab "
-                        f"of {info.vocab_size}: the tokenizer does not belong to this checkpoint"
-                    )
-                if len(res["lens"]):
-                    tables.append(_rows_table(res["ids"], res["mask"], res["lens"], res["rows"]))
-                splits += res["splits"]
-                tokens += int(res["lens"].sum())
-                masked += int(res["mask"].sum(dtype=np.int64))
-                bar.update(res["n"])
-        if not tables:
+            finished = {p: s for p in range(parts.n) if (s := parts.done(p)) is not None}
+            for p in sorted(finished):  # resumed: what an earlier run finished
+                account(finished[p])
+            tasks = [(i, c) for i, c in enumerate(chunks) if i // PART not in finished]
+            pending: dict[int, list[dict[str, Any]]] = {}
+            for i, res in _run(job, tasks, num_proc):
+                p = i // PART
+                pending.setdefault(p, []).append(res)
+                if len(pending[p]) == min(PART, len(chunks) - p * PART):
+                    account(parts.write(p, pending.pop(p)))
+        if totals["rows"] == 0:
             raise EyasError(
                 f"no rows left from {report.source}: every conversation was dropped\n"
                 + "\n".join(report.summary_lines())
             )
         seconds = time.perf_counter() - started
-        table = pa.concat_tables(tables)
+        table = parts.table()
         with atomic_path(out_dir / PREPARED_ROWS, is_dir=True) as tmp:
             _save_quietly(datasets.Dataset(table), tmp)
         counts = report.counts
         outputs = {
             "rows": table.num_rows,
-            "tokens": tokens,
-            "masked_tokens": masked,
+            "tokens": totals["tokens"],
+            "masked_tokens": totals["masked"],
             "rows_in": report.rows_in,
             "rows_sampled": min(max_samples, report.rows_in) if max_samples else report.rows_in,
             "dropped_by_reason": {k: counts[k] for k in DROPS if counts[k]},
             "truncated_rows": counts["truncated"],
-            "rows_split_at_turn_boundaries": splits,
+            "rows_split_at_turn_boundaries": totals["splits"],
         }
         manifest = write_manifest(
             out_dir, stage="prepare", inputs=inputs, settings=settings, outputs=outputs,
             report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
             end_of_turn={"token": template.eot, "id": template.eot_id},
             timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
-                    "num_proc": num_proc},
+                    "num_proc": num_proc, "resumed_parts": len(finished)},
         )  # fmt: skip
+        parts.remove()
     _print_summary(out_dir, outputs, report)
     return manifest
 
@@ -421,6 +494,10 @@ def _save_quietly(ds, path: Path) -> None:
             ds_logging.enable_progress_bar()
 
 
+ROWS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+                         ("seq_len", pa.int32()), ("row_id", pa.int64())])  # fmt: skip
+
+
 def _rows_table(ids: np.ndarray, mask: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> pa.Table:
     """Prepared rows as an Arrow table: ragged rows as list arrays over flat values (no per-row Python)."""
     offsets = pa.array(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int32))
@@ -431,7 +508,7 @@ def _rows_table(ids: np.ndarray, mask: np.ndarray, lens: np.ndarray, rows: np.nd
         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask, type=pa.int8())),
         "seq_len": pa.array(lens, type=pa.int32()),
         "row_id": pa.array(rows, type=pa.int64()),
-    })  # fmt: skip
+    }, schema=ROWS_SCHEMA)  # fmt: skip
 
 
 def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:
