@@ -27,6 +27,9 @@ from eyas.errors import EyasError
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
+    "prepare": ("eyas.data:prepare", "tokenize conversations with the verifier's chat template and mask the "
+                "assistant's tokens", (), {}),
+    "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
     "eval": ("eyas.evaluate:evaluate", "measure a draft by real speculative decoding: tau, acceptance, lossless, speedup",
              (), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
