@@ -321,3 +321,15 @@ def test_speculators_own_dataset_reads_the_layout(make_tiny, tmp_path_factory, t
     r = subprocess.run([sys.executable, "-c", SPECULATORS_READS, str(tmp_path / "spec"), str(tmp_path / "f")],
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("ok 5"), r.stderr[-3000:]
+
+
+def test_device_map_auto_gives_the_same_shards(make_tiny, tmp_path):
+    """--device-map auto (accelerate's placement; all on the CPU here) writes what --device cpu writes."""
+    t = make_tiny("llama")
+    prep = _prepared(tmp_path / "prep", t.path, _rows(4, seed=31))
+    common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", batch_tokens=1)
+    extract(**common, out=str(tmp_path / "cpu"), device="cpu")
+    extract(**common, out=str(tmp_path / "auto"), device_map="auto")
+    assert _shard_bytes(tmp_path / "auto") == _shard_bytes(tmp_path / "cpu")
+    with pytest.raises(EyasError, match="either --device or --device-map"):
+        extract(**common, out=str(tmp_path / "x"), device="cpu", device_map="auto")

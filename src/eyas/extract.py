@@ -43,6 +43,9 @@ from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_t
 
 SHARD_BYTES = 1 << 30  # target shard size on disk
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
+#: Shard writers: a GPU makes features faster than one thread can concatenate, write and hash them (SmolLM2
+#: on an H200: about 3 GB/s in bf16); on CPU the forward is the bottleneck and threads would compete with it.
+WRITER_THREADS = {"cuda": 4, "cpu": 1}
 PAD_ID = 0  # right padding: its value never reaches a stored row (causal attention)
 PROGRESS_GLOB = ".progress-*.json"
 MERGED_PROGRESS = ".progress-merged.json"
@@ -210,13 +213,15 @@ class Extractor:
     """Runs a loaded verifier over shards of rows and writes feature shards (the stage's engine; the benchmark
     drives it directly with a preloaded model)."""
 
-    def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int,
+                 writer_threads: int | None = None) -> None:  # fmt: skip
         self.backbone = model.base_model  # the decoder stack: `model.model` for every *ForCausalLM
         self.device = self.backbone.get_input_embeddings().weight.device
         self.layer_ids = layer_ids
         self.dtype = dtype
         self.batch_tokens = batch_tokens
         self.cuda = self.device.type == "cuda"
+        self.writer_threads = writer_threads or WRITER_THREADS["cuda" if self.cuda else "cpu"]
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
@@ -293,7 +298,8 @@ class Extractor:
 
         total = int(sum(source.lengths[s:e].sum() for s, e in shards))
         H = self.backbone.get_input_embeddings().embedding_dim
-        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype])
+        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype],
+                         threads=self.writer_threads)  # fmt: skip
         cap = _Capture(self.backbone, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
         try:
@@ -319,18 +325,21 @@ class Extractor:
 
 
 class _Writer:
-    """Assembles each shard from its batches and writes it on a background thread. At most two shards are in
-    flight (one computing, one writing), which bounds host memory and backs off when the disk is slower."""
+    """Assembles shards from their batches and writes them on background threads (concatenating, writing and
+    hashing all release the GIL, so they overlap the forward passes and each other). At most ``threads + 1``
+    shards are in flight, which bounds host memory and makes compute wait when the disk is the bottleneck."""
 
     def __init__(self, out: Path, layer_ids: list[int], done: Callable[[dict[str, Any]], None], *,
-                 hidden_size: int, dtype: torch.dtype) -> None:  # fmt: skip
+                 hidden_size: int, dtype: torch.dtype, threads: int = 1) -> None:  # fmt: skip
         self.out, self.layer_ids, self.done = out, layer_ids, done
         self.hidden_size, self.dtype = hidden_size, dtype
         self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
-        self._slots = threading.Semaphore(2)
+        self._slots = threading.Semaphore(threads + 1)
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="eyas-shard-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"eyas-shard-writer-{i}", daemon=True)
+                         for i in range(threads)]  # fmt: skip
+        for t in self._threads:
+            t.start()
 
     def _check(self) -> None:
         if self.error is not None:
@@ -346,13 +355,16 @@ class _Writer:
         self._jobs.put(job)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
         self._check()
 
     def abort(self) -> None:
-        if self._thread.is_alive():
-            self._jobs.put(None)
+        for t in self._threads:
+            if t.is_alive():
+                self._jobs.put(None)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
