@@ -240,7 +240,9 @@ class Extractor:
         index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
         cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
         self.backbone(input_ids=ids, use_cache=False)
-        hidden = torch.stack([s.to(cap.states[0].device) for s in cap.states], dim=1)  # [N, 4, H]
+        # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
+        # streams order the copy to the host below.
+        hidden = torch.stack([s.to(self.device) for s in cap.states], dim=1)  # [N, 4, H]
         scale = None
         if self.dtype == "fp8":
             row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
@@ -511,7 +513,8 @@ def extract(
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
              speculators_out) -> dict[str, Any]:  # fmt: skip
     from eyas.datasets import load_prepared, prepared_verifier
-    from eyas.manifest import MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json
+    from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
+                               write_json, write_manifest)
     from eyas.verifier import build_text_model, fingerprint, resolve
 
     if dtype not in STORAGE_DTYPES:
@@ -559,10 +562,9 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                                 "or remove it")  # fmt: skip
             stack.enter_context(OutputLock(out))
             for tmp in out.glob(".*.tmp-*"):  # left by a killed run; the lock says no writer is alive
-                tmp.unlink() if tmp.is_file() else None
+                if tmp.is_file():
+                    tmp.unlink()
             entries = _read_progress(out, plan)
-            from eyas.manifest import write_json
-
             write_json(out / MERGED_PROGRESS, {"plan": plan, "shards": entries})
             for p in out.glob(".progress-rank*.json"):
                 p.unlink()
@@ -607,12 +609,15 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                 if entry is None:
                     raise EyasError(f"{out}: shard {shard_name(s, e)} was not recorded by any rank; run again")
                 ordered.append(entry)
-            tokens = sum(x["tokens"] for x in ordered)
-            nbytes = sum(x["bytes"] for x in ordered)
-            m = _write_manifest(out, inputs=inputs, settings=settings, shards=ordered, layer_ids=layer_ids,
-                                dtype=dtype, hidden_size=H, num_rows=len(source.lengths), verifier_path=info.path,
-                                data=data, tokens=tokens, nbytes=nbytes)  # fmt: skip
-            for p in out.glob(PROGRESS_GLOB):
+            tokens, nbytes = sum(x["tokens"] for x in ordered), sum(x["bytes"] for x in ordered)
+            m = write_manifest(
+                out, stage=STAGE, inputs=inputs, settings=settings,
+                outputs={"rows": len(source.lengths), "tokens": tokens, "bytes": nbytes,
+                         "bytes_per_token": nbytes / max(tokens, 1), "shards": ordered},
+                format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=dtype, hidden_size=H,
+                num_rows=len(source.lengths), verifier_path=info.path, data_path=str(data),
+            )  # fmt: skip
+            for p in out.glob(PROGRESS_GLOB):  # the manifest is written: the run is finished
                 p.unlink()
             return m
 
@@ -629,24 +634,3 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             print(f"speculators' offline layout written to {path}")
     return manifest
 
-
-def _write_manifest(out: Path, *, inputs, settings, shards, layer_ids, dtype, hidden_size, num_rows,
-                    verifier_path, data, tokens, nbytes) -> dict[str, Any]:  # fmt: skip
-    from eyas.manifest import write_manifest
-
-    return write_manifest(
-        out,
-        stage=STAGE,
-        inputs=inputs,
-        settings=settings,
-        outputs={"rows": num_rows, "tokens": tokens, "bytes": nbytes, "bytes_per_token": nbytes / max(tokens, 1),
-                 "shards": shards},  # fmt: skip
-        format=FORMAT,
-        layer_ids=layer_ids,
-        last_hidden_normed=False,
-        dtype=dtype,
-        hidden_size=hidden_size,
-        num_rows=num_rows,
-        verifier_path=verifier_path,
-        data_path=str(data),
-    )

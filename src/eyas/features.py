@@ -37,9 +37,9 @@ metadata has one entry, ``eyas_features``: a JSON object repeating ``format``,
 fp8 (e4m3) keeps one float32 scale per (row, layer): ``scale = amax / 448``
 over the row's tokens of that layer (448 is e4m3's largest finite value), so
 no value saturates; a row whose layer is all zeros gets scale 1. Measured on
-SmolLM2 chat text, whose position-0 token carries activations 300x the median
-(massive activations), the per-token relative error is 2.5% median against
-2.2% for a per-token scale, which would cost 16 more bytes per token.
+SmolLM2 chat rows (``bench/fp8_error.py``), where the first token's activations
+reach 300x the median token's, the per-token relative error is 2.5-2.6% median
+against 2.2% for a per-token scale, which would cost 16 more bytes per token.
 
 ``manifest.json`` (stage ``extract``) holds, besides ``inputs`` (the verifier
 fingerprint, the prepared rows' hashes) and ``settings``: ``format``,
