@@ -221,10 +221,17 @@ def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
         torch.testing.assert_close(bf16.states(i), x, rtol=2**-8, atol=1e-6)
 
 
-def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys):
-    t = tiny.llama_int4(tmp_path / "int4")
-    cfg = json.loads((t.path / "config.json").read_text())["quantization_config"]
-    assert cfg["format"] == "pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+@pytest.mark.parametrize("name", ["llama_int4", "kimi_int4"])
+def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys, name):
+    """compressed-tensors int4 (pack-quantized, group 32): every Linear of a Llama, or, as in Kimi-K2.5's int4
+    release, the routed experts of a Kimi-like wrapper (config inside text_config, language_model.* keys). eyas
+    inspect reports it; extraction on CPU (transformers dequantizes at load) matches a reference model built
+    from independently dequantized weights."""
+    build = {"llama_int4": tiny.llama_int4, "kimi_int4": lambda p: tiny.kimi_like(p, int4=True)}[name]
+    t = build(tmp_path / name)
+    cfg = json.loads((t.path / "config.json").read_text())
+    q = cfg.get("quantization_config") or cfg["text_config"]["quantization_config"]
+    assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == 32
     assert cli_main(["inspect", str(t.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"] == "compressed-tensors"
     rows = _rows(3, seed=17)
@@ -276,6 +283,10 @@ def test_refusals(make_tiny, tmp_path, monkeypatch):
     lock.write_text(str(os.getppid()))  # a live process holds the directory
     with pytest.raises(EyasError, match="another eyas process"):
         extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "d"))
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / ".progress-rank0.json").write_text(json.dumps({"plan": "another", "shards": {}}))
+    with pytest.raises(EyasError, match="unfinished extraction made with other inputs or settings"):
+        extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "u"))
     import shutil
 
     from eyas import manifest
