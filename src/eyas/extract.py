@@ -240,6 +240,9 @@ class Extractor:
         index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
         cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
         self.backbone(input_ids=ids, use_cache=False)
+        if any(s is None for s in cap.states):
+            missing = [name for name, s in zip([*map(str, self.layer_ids), "final norm"], cap.states) if s is None]
+            raise EyasError(f"the verifier's forward never reached {', '.join(missing)}; cannot capture there")
         # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
         # streams order the copy to the host below.
         hidden = torch.stack([s.to(self.device) for s in cap.states], dim=1)  # [N, 4, H]
