@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
     "prepare": ("eyas.data:prepare", "tokenize conversations with the verifier's chat template and mask the "
                 "assistant's tokens", (), {}),
     "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
+    "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
+                "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
     "eval": ("eyas.evaluate:evaluate", "measure a draft by real speculative decoding: tau, acceptance, lossless, speedup",
              (), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),

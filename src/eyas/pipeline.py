@@ -30,4 +30,17 @@ def demo(*, out: str = "runs/demo") -> None:
     prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
     vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
-    print("\nThe demo stops here for now: the feature, training and evaluation stages are not built yet.")
+    demo_extract(prepared=root / "data", out=root / "features")
+    print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")
+
+
+def demo_extract(*, prepared: Path, out: Path) -> dict:
+    """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
+    then a hash check of every shard (what a user runs before a long training job)."""
+    from eyas.extract import extract
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
+    manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
+    extract(verify=str(out))
+    return manifest
