@@ -378,3 +378,42 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
     assert saved["tau"] == pytest.approx(report["tau"]) and saved["tau"] > 1.5
     assert saved["baseline_tokens_per_s"] > 0 and saved["tokens_per_s"] > 0
     assert (tmp_path / "r_accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offline_prediction_from_features(setups, tmp_path):
+    """``offline_accuracy`` over `eyas extract` features equals the same chain computed from the live verifier
+    (its own logits, not the stored pre-norm state through norm and head), and eval reports it beside tau."""
+    import tiny
+
+    from eyas.extract import extract
+
+    t, info, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    rows = []
+    for ids in prompts:
+        answer = plain_generate(base, ids, max_new_tokens=40, eos_ids=eos).tokens
+        rows.append((ids + answer, [0] * len(ids) + [1] * len(answer)))
+    prep = tiny.write_prepared(tmp_path / "prep", rows, verifier=t.path)
+    feats = tmp_path / "features"
+    extract(verifier=str(t.path), data=str(prep), out=str(feats), dtype="fp32", device="cpu")
+    off = ev.offline_accuracy(draft, info, feats, steps=K)
+    reached, right = [0] * K, [0] * K
+    for ids, mask in rows:
+        seq = torch.tensor(ids)
+        aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
+        with torch.no_grad():
+            greedy = model(seq[None]).logits[0].argmax(-1)
+        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, steps=K).tolist()
+        for t_, n in enumerate(lengths):
+            for k in range(K):
+                if mask[t_ + 2 + k]:
+                    reached[k] += n >= k
+                    right[k] += n > k
+    assert off["positions"] == reached[0] and off["rows"] == len(rows)
+    assert off["conditional_accuracy"] == pytest.approx([r / n for r, n in zip(right, reached)])
+    assert off["predicted_tau"] == pytest.approx(predicted_tau(off["conditional_accuracy"]))
+    assert off["predicted_tau"] > 1.5
+    report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=8,
+                         offline=str(feats))  # fmt: skip
+    assert report["offline"]["rows"] == len(rows) and "predicted_tau" in report

@@ -612,24 +612,143 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 
 
-@torch.no_grad()
-def _warm_up(spec: VerifierRunner, base: VerifierRunner, draft: DraftRunner, *, draft_tokens: int, max_len: int) -> None:
-    """Compile (and, with CUDA graphs, record) every fixed shape the timed loops use, outside the timing:
-    verifier forwards over 1 (plain) and K + 1 (verification) tokens, draft steps over 1..K+1 positions."""
-    K = draft_tokens
-    ids = torch.arange(1, K + 2, device=spec.device)
-    for _ in range(3):  # cudagraph trees warm up, then record, then replay
-        base.reset(max_len)
-        base.forward(ids[:2], 0, last_only=True)  # an eager prefill first: the static cache is allocated outside graphs
-        base.forward(ids[2:3], 2)
-        with spec:
-            spec.reset(max_len)
-            spec.forward(ids[:1], 0, last_only=True)
-            _, aux = spec.forward(ids, 1)
-        draft.reset(max_len)
-        for T in range(1, K + 2):
-            _, hidden = draft.catch_up(ids[:T], aux[:T], 0)
-        draft.step(ids[:1], hidden, K + 1)
+@dataclass
+class Runners:
+    """The three decoding engines of one measurement, sharing one verifier model: the verifier for speculative
+    decoding (capturing aux states), the verifier for plain decoding (no capture), and the draft."""
+
+    spec: VerifierRunner
+    base: VerifierRunner
+    draft: DraftRunner
+    draft_tokens: int
+    compile_mode: str | None
+    static: bool
+
+    @classmethod
+    def build(cls, model, draft: Eagle3Draft, *, draft_tokens: int, static: bool, compile_mode: str | None,
+              max_len: int) -> "Runners":  # fmt: skip
+        """Runners with caches for ``max_len`` positions, the fixed decoding shapes compiled and warmed up."""
+        K = draft_tokens
+        if compile_mode:
+            # One graph per decoding shape: verifier 1 and K+1 tokens, draft 1..K+1 positions, per runner.
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * (K + 4)))
+        r = cls(
+            spec=VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=static,
+                                compile_mode=compile_mode, compiled_lengths=(K + 1,)),
+            base=VerifierRunner(model, aux_layer_ids=None, static=static, compile_mode=compile_mode,
+                                compiled_lengths=(1,)),
+            draft=DraftRunner(draft, compile_mode=compile_mode, compiled_max_tokens=K + 1),
+            draft_tokens=K, compile_mode=compile_mode, static=static,
+        )  # fmt: skip
+        for runner in (r.spec, r.base, r.draft):  # one cache each for the whole run: static buffers keep their addresses
+            runner.reset(max_len)
+        if compile_mode:
+            r._warm_up(max_len)
+        return r
+
+    @torch.no_grad()
+    def _warm_up(self, max_len: int) -> None:
+        """Compile (and, with CUDA graphs, record) every fixed shape the timed loops use, outside the timing:
+        verifier forwards over 1 (plain) and K + 1 (verification) tokens, draft steps over 1..K+1 positions.
+        Each cache is first filled by an eager prefill, so static buffers are allocated outside any graph."""
+        K = self.draft_tokens
+        ids = torch.arange(1, K + 3, device=self.spec.device)
+        for _ in range(3):  # cudagraph trees: warm up, record, replay
+            self.base.reset(max_len)
+            self.base.forward(ids[:2], 0, last_only=True)
+            self.base.forward(ids[2:3], 2)
+            with self.spec:
+                self.spec.reset(max_len)
+                _, aux = self.spec.forward(ids, 0)  # K + 2 tokens: eager, fills the cache
+                _, aux = self.spec.forward(ids[: K + 1], 0)
+            self.draft.reset(max_len)
+            self.draft.catch_up(ids, torch.cat([aux, aux[:1]]), 0)  # K + 2 positions: eager
+            for T in range(1, K + 2):
+                _, hidden = self.draft.catch_up(ids[:T], aux[:T], 0)
+            self.draft.step(ids[:1], hidden, K + 1)
+
+
+@dataclass
+class Measurement:
+    """What speculative and plain decoding of a prompt set produced."""
+
+    accepted: list[int] = field(default_factory=list)
+    spec_tokens: int = 0
+    spec_seconds: float = 0.0
+    base_tokens: int = 0
+    base_seconds: float = 0.0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    turn_ids: list[list[int]] = field(default_factory=list)  # every decoded turn's prompt ids, in order
+    turns: int = 0
+
+
+def conversation_bound(plist: list[EvalPrompt], tokenizer, *, max_new_tokens: int, draft_tokens: int) -> int:
+    """Positions the longest conversation can need: its turns with every answer at ``max_new_tokens`` (plus slack
+    for re-tokenising an answer) and one verification round past the end."""
+    return max(len(_encode(tokenizer, _conversation(p, ["" for _ in p.turns[1:]], len(p.turns) - 1)))
+               + len(p.turns) * (max_new_tokens + 16) for p in plist) + draft_tokens + 2  # fmt: skip
+
+
+def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tokens: int, eos_ids: set[int],
+            temperature: float = 0.0, seed: int = 0, baseline: bool = True, desc: str = "eyas eval") -> Measurement:  # fmt: skip
+    """Decode every turn of every prompt speculatively and (with ``baseline``) plainly, one prompt at a time.
+
+    A later turn follows the answer of plain decoding to the turn before (the verifier's own answer, greedy at
+    ``T = 0``), so both loops decode the same conversation; at ``T = 0`` every turn's two outputs are compared.
+    """
+    from tqdm.auto import tqdm
+
+    K = runners.draft_tokens
+    dev = runners.spec.device
+    g_spec = torch.Generator(device=dev).manual_seed(seed)
+    g_base = torch.Generator(device=dev).manual_seed(seed + 1)
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature)
+    m = Measurement()
+    bar = tqdm(total=sum(len(p.turns) for p in plist), desc=desc, unit="turn")
+    for p in plist:
+        answers: list[str] = []
+        for ti in range(len(p.turns)):
+            ids = _encode(tokenizer, _conversation(p, answers, ti))
+            m.turn_ids.append(ids)
+            with runners.spec:
+                spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec, **kw)
+            m.accepted += spec.accepted
+            m.spec_tokens += len(spec.tokens)
+            m.spec_seconds += spec.seconds
+            answer = spec.tokens
+            if baseline:
+                base = plain_generate(runners.base, ids, generator=g_base, **kw)
+                m.base_tokens += len(base.tokens)
+                m.base_seconds += base.seconds
+                answer = base.tokens
+                if temperature == 0 and base.tokens != spec.tokens:
+                    first = next((i for i, (x, y) in enumerate(zip(base.tokens, spec.tokens)) if x != y),
+                                 min(len(base.tokens), len(spec.tokens)))  # fmt: skip
+                    m.mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first})
+            answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True))
+            m.turns += 1
+            bar.update(1)
+            bar.set_postfix(tau=f"{acceptance_stats(m.accepted, K)['tau']:.2f}")
+    bar.close()
+    return m
+
+
+def summarize(m: Measurement, *, draft_tokens: int, temperature: float, baseline: bool) -> dict[str, Any]:
+    """The report's measured figures: acceptance statistics, losslessness, speeds and speedup."""
+    spec_tps = m.spec_tokens / m.spec_seconds if m.spec_seconds else 0.0
+    base_tps = m.base_tokens / m.base_seconds if m.base_seconds else None
+    return {
+        **acceptance_stats(m.accepted, draft_tokens),
+        "lossless": (not m.mismatches) if (baseline and temperature == 0) else None,
+        "mismatches": m.mismatches,
+        "tokens_per_s": spec_tps,
+        "baseline_tokens_per_s": base_tps,
+        "speedup": spec_tps / base_tps if base_tps else None,
+        "num_turns": m.turns,
+        "generated_tokens": m.spec_tokens,
+    }
 
 
 def _report_paths(out: str | Path) -> tuple[Path, Path]:
@@ -638,6 +757,34 @@ def _report_paths(out: str | Path) -> tuple[Path, Path]:
     if p.suffix == ".json":
         return p, p.with_name(p.stem + "_accepted_lengths.png")
     return p / "report.json", p / "accepted_lengths.png"
+
+
+def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
+          trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Load what a measurement needs once: the verifier (info, model, tokenizer, end-of-turn ids) and the draft
+    (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
+    from eyas.checkpoint import load_draft
+    from eyas.verifier import build_text_model, load_tokenizer, resolve
+
+    info = resolve(verifier)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif dtype in _DTYPES:
+        dt = _DTYPES[dtype]
+    else:
+        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
+    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code)
+    if str(draft) == "random":
+        d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
+    else:
+        d, manifest = load_draft(draft, verifier=info, device=dev, dtype=dt), _draft_manifest(draft)
+    model = build_text_model(info, dtype=dt, device=dev)
+    if model.config.vocab_size != d.config.vocab_size:
+        raise EyasError(f"the draft {draft} is for a vocab of {d.config.vocab_size}, the verifier has "
+                        f"{model.config.vocab_size}")  # fmt: skip
+    return {"info": info, "device": dev, "dtype": dt, "tokenizer": tokenizer, "eos_ids": end_of_turn_ids(tokenizer),
+            "draft": d, "draft_manifest": manifest, "model": model}  # fmt: skip
 
 
 def evaluate(
@@ -689,129 +836,59 @@ def evaluate(
         baseline: also run plain decoding (needed for the lossless check and the speedup).
         trust_remote_code: allow the verifier's tokenizer to run checkpoint code (never on by default).
     """
-    from tqdm.auto import tqdm
-
-    from eyas.checkpoint import load_draft
     from eyas.manifest import versions, write_json
-    from eyas.verifier import build_text_model, chat_template_hash, load_tokenizer, resolve
+    from eyas.verifier import chat_template_hash
 
     if draft_tokens < 1:
         raise EyasError(f"--draft-tokens must be at least 1, got {draft_tokens}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
-    info = resolve(verifier)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    elif dtype in _DTYPES:
-        dt = _DTYPES[dtype]
-    else:
-        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
-    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code)
-    eos_ids = end_of_turn_ids(tokenizer)
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
-    template_sha = chat_template_hash(tokenizer)
-    if str(draft) == "random":
-        d, draft_manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
-    else:
-        d = load_draft(draft, verifier=info, device=dev, dtype=dt)
-        draft_manifest = _draft_manifest(draft)
-    trained_template = (draft_manifest.get("inputs") or {}).get("chat_template_sha256")
-    model = build_text_model(info, dtype=dt, device=dev)
-    if model.config.vocab_size != d.config.vocab_size:
-        raise EyasError(f"the draft {draft} is for a vocab of {d.config.vocab_size}, the verifier has "
-                        f"{model.config.vocab_size}")  # fmt: skip
+    env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
+                trust_remote_code=trust_remote_code)  # fmt: skip
+    dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     K = draft_tokens
     static = cache == "static" or (cache == "auto" and dev.type == "cuda")
     mode = None if compile == "none" or (compile == "auto" and dev.type != "cuda") else (
         "reduce-overhead" if compile == "auto" else compile)  # fmt: skip
-    spec_runner = VerifierRunner(model, aux_layer_ids=d.config.aux_layer_ids, static=static, compile_mode=mode,
-                                 compiled_lengths=(K + 1,))  # fmt: skip
-    base_runner = VerifierRunner(model, aux_layer_ids=None, static=static, compile_mode=mode, compiled_lengths=(1,))
-    draft_runner = DraftRunner(d, compile_mode=mode, compiled_max_tokens=K + 1)
-    # One cache of each kind for the whole run (static buffers keep their addresses for compiled graphs): sized
-    # for the longest conversation, every answer at max_new_tokens (plus slack for re-tokenising an answer).
-    longest = max(len(_encode(tokenizer, _conversation(p, ["" for _ in p.turns[1:]], len(p.turns) - 1)))
-                  + len(p.turns) * (max_new_tokens + 16) for p in plist) + K + 2  # fmt: skip
-    for runner in (spec_runner, base_runner, draft_runner):
-        runner.reset(longest)
-    g_spec = torch.Generator(device=dev).manual_seed(seed)
-    g_base = torch.Generator(device=dev).manual_seed(seed + 1)
-    kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature)
-
-    if mode is not None:
-        _warm_up(spec_runner, base_runner, draft_runner, draft_tokens=K, max_len=longest)
-
-    accepted: list[int] = []
-    spec_tokens = spec_seconds = base_tokens = base_seconds = 0.0
-    mismatches: list[dict[str, Any]] = []
-    turns_done = 0
-    bar = tqdm(total=sum(len(p.turns) for p in plist), desc="eyas eval", unit="turn")
-    for p in plist:
-        answers: list[str] = []
-        for ti in range(len(p.turns)):
-            ids = _encode(tokenizer, _conversation(p, answers, ti))
-            with spec_runner:
-                spec = speculative_generate(spec_runner, draft_runner, ids, draft_tokens=K, generator=g_spec, **kw)
-            accepted += spec.accepted
-            spec_tokens += len(spec.tokens)
-            spec_seconds += spec.seconds
-            answer_tokens = spec.tokens
-            if baseline:
-                base = plain_generate(base_runner, ids, generator=g_base, **kw)
-                base_tokens += len(base.tokens)
-                base_seconds += base.seconds
-                answer_tokens = base.tokens
-                if temperature == 0 and base.tokens != spec.tokens:
-                    first = next((i for i, (x, y) in enumerate(zip(base.tokens, spec.tokens)) if x != y),
-                                 min(len(base.tokens), len(spec.tokens)))  # fmt: skip
-                    mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first})
-            answers.append(tokenizer.decode([t for t in answer_tokens if t not in eos_ids], skip_special_tokens=True))
-            turns_done += 1
-            bar.update(1)
-            bar.set_postfix(tau=f"{acceptance_stats(accepted, K)['tau']:.2f}")
-    bar.close()
-
-    stats = acceptance_stats(accepted, K)
+    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=K)
+    runners = Runners.build(env["model"], d, draft_tokens=K, static=static, compile_mode=mode, max_len=bound)
+    m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
+                temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
+    template_sha = chat_template_hash(tokenizer)
     report: dict[str, Any] = {
-        **stats,
-        "lossless": (not mismatches) if (baseline and temperature == 0) else None,
-        "mismatches": mismatches,
-        "tokens_per_s": spec_tokens / spec_seconds if spec_seconds else 0.0,
-        "baseline_tokens_per_s": base_tokens / base_seconds if base_seconds else None,
-        "speedup": (spec_tokens / spec_seconds) / (base_tokens / base_seconds) if base_seconds else None,
+        **summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline),
         "num_prompts": len(plist),
-        "num_turns": turns_done,
-        "generated_tokens": int(spec_tokens),
         "draft_tokens": K,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "prompts": source,
-        "verifier": info.path,
+        "verifier": env["info"].path,
         "draft": str(draft),
         "draft_is_random": str(draft) == "random",
         "device": str(dev),
-        "dtype": str(dt).removeprefix("torch."),
+        "dtype": str(env["dtype"]).removeprefix("torch."),
         "cache": "static" if static else "dynamic",
         "compile": mode or "none",
         "batch_size": 1,
         "chat_template_sha256": template_sha,
-        "end_of_turn_ids": sorted(eos_ids),
+        "end_of_turn_ids": sorted(env["eos_ids"]),
         "seed": seed,
         "versions": versions(),
     }
+    trained_template = (env["draft_manifest"].get("inputs") or {}).get("chat_template_sha256")
     if trained_template and template_sha and trained_template != template_sha:
         report["warning"] = "the draft was trained on data rendered with another chat template"
     if offline:
-        off = offline_accuracy(d, info, offline, steps=K, rows=_validation_rows(draft_manifest), max_rows=offline_rows,
-                               device=dev)  # fmt: skip
-        report["offline"] = off
-        report["predicted_tau"] = off["predicted_tau"]
+        rows = _validation_rows(env["draft_manifest"])
+        report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
+                                             device=dev)  # fmt: skip
+        report["predicted_tau"] = report["offline"]["predicted_tau"]
     if out:
         json_path, png_path = _report_paths(out)
         name = "random draft" if report["draft_is_random"] else Path(str(draft)).name
-        plot_histogram(png_path, stats["accepted_length_histogram"], tau=stats["tau"],
-                       title=f"{name} on {Path(info.path).name}, K={K}, T={temperature:g}")  # fmt: skip
+        plot_histogram(png_path, report["accepted_length_histogram"], tau=report["tau"],
+                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={temperature:g}")  # fmt: skip
         report["histogram_png"] = str(png_path)
         write_json(json_path, report)
         report["report_json"] = str(json_path)
