@@ -37,7 +37,17 @@ def one_thread():
 
 
 def _chisq_pvalue(stat: float, df: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    """P(chi-square(df) >= stat): the regularized upper incomplete gamma function Q(df/2, stat/2)."""
+    half = lambda x: torch.tensor(x / 2, dtype=torch.float64)  # noqa: E731
+    return float(torch.special.gammaincc(half(df), half(stat)))
+
+
+def _hf_greedy(model, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """transformers' own greedy ``generate`` (the independent reference), new tokens only."""
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
 
 
 def _fit(draft, seqs: torch.Tensor, aux: torch.Tensor, target: torch.Tensor, *, steps: int, lr: float, ttt: int,
@@ -176,9 +186,8 @@ def test_greedy_speculative_decoding_is_lossless(setups, name):
                 out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
             plain = plain_generate(base, ids, max_new_tokens=40, eos_ids=eos)
             assert out.tokens == plain.tokens, f"{name}/{kind}: speculative output differs from greedy"
-            ref = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=40, eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
-            assert plain.tokens == ref[0, len(ids) :].tolist(), f"{name}: our greedy loop differs from generate"
+            ref = _hf_greedy(reference, ids, 40, eos)
+            assert plain.tokens == ref, f"{name}: our greedy loop differs from transformers generate"
             assert sum(a + 1 for a in out.accepted) + 1 >= len(out.tokens)  # every token came from a round
             accepted += out.accepted
         taus[kind] = acceptance_stats(accepted, K)
@@ -204,6 +213,45 @@ def test_static_cache_is_lossless_and_matches_dynamic(setups):
             assert out.tokens == plain_generate(base, ids, max_new_tokens=40, eos_ids=eos).tokens
             outs[static].append((out.tokens, out.accepted))
     assert outs[True] == outs[False]
+
+
+def test_sliding_window_verifier_rolls_back():
+    """A sliding-window verifier (Mistral, window 8 < the sequence): its dynamic cache is cropped on every round
+    and speculative decoding stays lossless; a static cache (circular buffer, no rollback) is refused."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from eyas.errors import EyasError
+    from eyas.model import DraftConfig, Eagle3Draft
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256)  # fmt: skip
+    model = MistralForCausalLM(cfg).eval()
+    draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=8, vocab_size=64, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]))  # fmt: skip
+    draft.t2d.fill_(True)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    prompts = [[1, 5, 9, 3], [7, 2, 2, 40, 11]]
+    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    rows = [p + plain_generate(base, p, max_new_tokens=30, eos_ids=set()).tokens for p in prompts]
+    seqs = torch.tensor([r[:34] for r in rows])
+    aux, _ = forward_hidden_states(model, seqs, layer_ids=[1, 2, 3])
+    with torch.no_grad():
+        target = model(seqs).logits.argmax(-1)
+    _fit(draft, seqs, aux, target, steps=100, lr=1e-2, ttt=K)
+    spec = VerifierRunner(model, aux_layer_ids=[1, 2, 3], static=False)
+    accepted = []
+    for p in prompts:
+        with spec:
+            out = speculative_generate(spec, DraftRunner(draft), p, max_new_tokens=50, draft_tokens=K, eos_ids=set())
+        plain = plain_generate(base, p, max_new_tokens=50, eos_ids=set())
+        assert out.tokens == plain.tokens == _hf_greedy(model, p, 50, {0})
+        accepted += out.accepted
+    hist = acceptance_stats(accepted, K)["accepted_length_histogram"]
+    assert sum(hist[:K]) > 0 and hist[K] > 0, hist  # rejections (crops past the window) and full acceptances
+    with pytest.raises(EyasError, match="sliding-window"):
+        VerifierRunner(model, aux_layer_ids=None, static=True)
 
 
 def test_rollback_equals_a_fresh_run(setups):
@@ -352,9 +400,7 @@ def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
         out = speculative_generate(spec, DraftRunner(draft), ids, max_new_tokens=16, draft_tokens=K, eos_ids=eos)
     plain = plain_generate(base, ids, max_new_tokens=16, eos_ids=eos)
     assert out.tokens == plain.tokens
-    ref = smollm2_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=16, eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
-    assert plain.tokens == ref[0, len(ids) :].tolist()
+    assert plain.tokens == _hf_greedy(smollm2_model, ids, 16, eos)
     assert "Paris" in tok.decode(out.tokens)
 
 
@@ -417,3 +463,36 @@ def test_offline_prediction_from_features(setups, tmp_path):
     report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=8,
                          offline=str(feats))  # fmt: skip
     assert report["offline"]["rows"] == len(rows) and "predicted_tau" in report
+
+
+def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
+    """The lossless check is not vacuous: a loop that accepts every draft token is reported, with the place and
+    the verifier's logit gap there (large: not a near-tie)."""
+    t, *_ = setups("llama")
+
+    def accept_all(target_logits, draft_tokens):
+        return torch.full(draft_tokens.shape[:1], draft_tokens.shape[1]), target_logits[:, -1].argmax(-1)
+
+    monkeypatch.setattr(ev, "verify_greedy", accept_all)
+    report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=12)
+    assert report["lossless"] is False and report["tau"] == K + 1
+    (bad,) = report["mismatches"]
+    assert bad["first_difference"] == 1  # the first token comes from the prefill; the first draft is wrong
+    assert bad["logit_gap"] > 0.01 and bad["plain_token"] != bad["spec_token"]
+
+
+def test_eval_cli(make_tiny, tmp_path, capsys):
+    from eyas.cli import main
+
+    t = make_tiny("llama")
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"question_id": 7, "turns": ["Hi there.", "And again?"]}) + "\n")
+    assert main(["eval", "--verifier", str(t.path), "--draft", "random", "--prompts", str(src), "--max-new-tokens",
+                 "6", "--draft-tokens", "2", "--out", str(tmp_path / "rep")]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["num_turns"] == 2 and report["draft_tokens"] == 2 and report["lossless"] is True
+    assert (tmp_path / "rep" / "accepted_lengths.png").is_file()
+    assert main(["eval", "--verifier", str(t.path), "--draft", str(tmp_path / "nope"), "--prompts", str(src)]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["eval", "--verifier", str(t.path), "--draft", "random", "--prompts", str(src),
+                 "--draft-tokens", "0"]) == 2  # fmt: skip

@@ -110,6 +110,13 @@ def _set_cache_length(cache, length: int) -> None:
         cache.crop(length - current)  # a negative count: the form every transformers 5 release accepts
 
 
+def has_sliding_window(config) -> bool:
+    """Whether the verifier has sliding-window attention layers (their static cache cannot be rolled back)."""
+    from transformers import StaticCache
+
+    return any(getattr(layer, "is_sliding", False) for layer in StaticCache(config=config, max_cache_len=1).layers)
+
+
 class VerifierRunner:
     """The verifier's forward over new tokens with a KV cache that can be rolled back.
 
@@ -130,11 +137,13 @@ class VerifierRunner:
         self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
         # transformers 5.24 renamed past_key_values to cache; 5.17 (the GPU machine's) knows only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        if static and has_sliding_window(model.config):
+            raise EyasError("a static cache cannot roll back a sliding-window verifier (its buffer is circular): "
+                            "use --cache dynamic")  # fmt: skip
         self.cache = None
         self.max_len = 0
         self.compiled_lengths = set(compiled_lengths) if compile_mode else set()
         self._compiled = torch.compile(self._forward, mode=compile_mode, dynamic=False) if compile_mode else None
-        self.forwards = 0
 
     def __enter__(self) -> "VerifierRunner":
         if self.capture is not None:
@@ -160,6 +169,8 @@ class VerifierRunner:
         else:
             self.max_len = max_len
             self.cache = DynamicCache(config=cfg)
+            if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers keep what a rollback needs
+                self.cache.activate_past_recording()
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions."""
@@ -179,7 +190,6 @@ class VerifierRunner:
         if start + T > self.max_len:
             raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.max_len}")
         pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
-        self.forwards += 1
         if self._compiled is not None and T in self.compiled_lengths and not last_only:
             torch.compiler.cudagraph_mark_step_begin()
             logits, aux = self._compiled(input_ids[None], pos, 0)
@@ -469,11 +479,11 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     answer = "eyas probe answer"
     with contextlib.suppress(Exception):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}],
-                                             tokenize=False)  # fmt: skip
-        tail = text[text.index(answer) + len(answer):]
-        specials = sorted({t for t in tokenizer.all_special_tokens} | {t.content for t in tokenizer.added_tokens_decoder.values()
-                                                                         if t.special}, key=len, reverse=True)  # fmt: skip
+        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+        tail = text[text.index(answer) + len(answer) :]
+        added = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        specials = sorted(set(tokenizer.all_special_tokens) | added, key=len, reverse=True)
         hits = [(tail.find(s), s) for s in specials if s and s in tail]
         if hits:
             ids.add(tokenizer.convert_tokens_to_ids(min(hits)[1]))
@@ -545,7 +555,8 @@ def ttt_chain_lengths(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
 
 @torch.no_grad()
 def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: int, rows: list[int] | None = None,
-                     max_rows: int = 256, device: str | torch.device = "cpu", chunk: int = 256) -> dict[str, Any]:  # fmt: skip
+                     max_rows: int = 256, device: str | torch.device = "cpu",
+                     chunk: int = 256) -> dict[str, Any]:  # fmt: skip
     """Per-step conditional accuracy of the draft over extracted features, and the tau it predicts.
 
     Per row, :func:`ttt_chain_lengths` against the verifier's full-vocab argmax
@@ -560,8 +571,8 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
 
     reader = FeatureReader(features, dtype=torch.float32)
     if list(reader.layer_ids) != list(draft.config.aux_layer_ids):
-        raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads {draft.config.aux_layer_ids}; "
-                        "extract features with the draft's --layers")  # fmt: skip
+        raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads "
+                        f"{draft.config.aux_layer_ids}; extract features with the draft's --layers")  # fmt: skip
     rows = [r for r in rows if 0 <= r < len(reader)][:max_rows] if rows else list(range(min(max_rows, len(reader))))
     norm = build_final_norm(info, dtype=torch.float32, device=str(device))
     head = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
@@ -642,7 +653,7 @@ class Runners:
             draft=DraftRunner(draft, compile_mode=compile_mode, compiled_max_tokens=K + 1),
             draft_tokens=K, compile_mode=compile_mode, static=static,
         )  # fmt: skip
-        for runner in (r.spec, r.base, r.draft):  # one cache each for the whole run: static buffers keep their addresses
+        for runner in (r.spec, r.base, r.draft):  # one cache each for the run: static buffers keep their addresses
             runner.reset(max_len)
         if compile_mode:
             r._warm_up(max_len)
@@ -692,7 +703,8 @@ def conversation_bound(plist: list[EvalPrompt], tokenizer, *, max_new_tokens: in
 
 
 def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tokens: int, eos_ids: set[int],
-            temperature: float = 0.0, seed: int = 0, baseline: bool = True, desc: str = "eyas eval") -> Measurement:  # fmt: skip
+            temperature: float = 0.0, seed: int = 0, baseline: bool = True,
+            desc: str = "eyas eval") -> Measurement:  # fmt: skip
     """Decode every turn of every prompt speculatively and (with ``baseline``) plainly, one prompt at a time.
 
     A later turn follows the answer of plain decoding to the turn before (the verifier's own answer, greedy at
@@ -726,13 +738,30 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
                 if temperature == 0 and base.tokens != spec.tokens:
                     first = next((i for i, (x, y) in enumerate(zip(base.tokens, spec.tokens)) if x != y),
                                  min(len(base.tokens), len(spec.tokens)))  # fmt: skip
-                    m.mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first})
+                    m.mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first,
+                                         **_divergence(runners.base.model, ids, base.tokens, spec.tokens, first)})
             answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True))
             m.turns += 1
             bar.update(1)
             bar.set_postfix(tau=f"{acceptance_stats(m.accepted, K)['tau']:.2f}")
     bar.close()
     return m
+
+
+@torch.no_grad()
+def _divergence(model, prompt_ids: list[int], plain: list[int], spec: list[int], at: int) -> dict[str, Any]:
+    """Where two greedy outputs part: the verifier's logits there, from one fresh forward over the common prefix.
+
+    A gap between the two tokens' logits near the dtype's rounding (bf16: a few hundredths) means a near-tie
+    that one forward over K+1 tokens and one over 1 token round differently; a large gap means a bug.
+    """
+    if at >= min(len(plain), len(spec)):
+        return {"logit_gap": None}
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + plain[:at]], device=dev)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    return {"plain_token": plain[at], "spec_token": spec[at],
+            "logit_gap": float(logits[plain[at]] - logits[spec[at]])}  # fmt: skip
 
 
 def summarize(m: Measurement, *, draft_tokens: int, temperature: float, baseline: bool) -> dict[str, Any]:
@@ -848,7 +877,7 @@ def evaluate(
                 trust_remote_code=trust_remote_code)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     K = draft_tokens
-    static = cache == "static" or (cache == "auto" and dev.type == "cuda")
+    static = cache == "static" or (cache == "auto" and dev.type == "cuda" and not has_sliding_window(env["model"].config))
     mode = None if compile == "none" or (compile == "auto" and dev.type != "cuda") else (
         "reduce-overhead" if compile == "auto" else compile)  # fmt: skip
     bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=K)
@@ -914,7 +943,9 @@ def _print_report(r: dict[str, Any]) -> None:
     ]
     if r["lossless"] is not None:
         bad = len(r["mismatches"])
-        rows.append(("lossless (== plain greedy)", "yes" if r["lossless"] else f"NO: {bad} turn(s) differ"))
+        gaps = [abs(x["logit_gap"]) for x in r["mismatches"] if x.get("logit_gap") is not None]
+        why = f"; logit gap at the first difference <= {max(gaps):.3g} (a near-tie in {r['dtype']}?)" if gaps else ""
+        rows.append(("lossless (== plain greedy)", "yes" if r["lossless"] else f"NO: {bad} turn(s) differ{why}"))
     speed = f"{r['tokens_per_s']:.1f} tokens/s"
     if r["baseline_tokens_per_s"]:
         speed += f"  vs plain {r['baseline_tokens_per_s']:.1f}: speedup {r['speedup']:.2f}x"
