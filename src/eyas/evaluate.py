@@ -402,15 +402,14 @@ def predicted_tau(cond_acc: list[float]) -> float:
 
 
 def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> None:
-    """A bar chart of accepted draft tokens per round, written atomically as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A bar chart of accepted draft tokens per round, written atomically as a PNG (matplotlib's Agg canvas,
+    without pyplot's global state)."""
+    from matplotlib.figure import Figure
 
     from eyas.manifest import atomic_path
 
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    fig = Figure(figsize=(5, 3.2), dpi=120)
+    ax = fig.subplots()
     rounds = sum(hist) or 1
     ax.bar(range(len(hist)), [h / rounds for h in hist], color="#4c72b0")
     ax.set_xticks(range(len(hist)))
@@ -420,7 +419,6 @@ def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> No
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- prompts and templates
@@ -444,13 +442,10 @@ def _as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[li
     ``turns`` (and optionally ``id``, ``system``).
     """
     if isinstance(prompts, (str, Path)):
-        from eyas import datasets
+        from eyas.datasets import load_prompts
 
-        if not hasattr(datasets, "load_prompts"):
-            raise EyasError("prompt sources need eyas.datasets.load_prompts (the data stage); pass a list instead")
-        loaded, report = datasets.load_prompts(str(prompts), max_samples=num_prompts, seed=seed)
-        out = [EvalPrompt(str(p.id), list(p.turns), getattr(p, "system", None)) for p in loaded]
-        return out, str(getattr(report, "source", prompts))
+        loaded, report = load_prompts(str(prompts), max_samples=num_prompts, seed=seed)
+        return [EvalPrompt(str(p.id), list(p.turns), p.system) for p in loaded], report.source
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -478,7 +473,7 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     """
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     answer = "eyas probe answer"
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # a template that cannot render the probe still leaves the EOS
         probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
         text = tokenizer.apply_chat_template(probe, tokenize=False)
         tail = text[text.index(answer) + len(answer) :]
