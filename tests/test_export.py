@@ -339,3 +339,21 @@ def test_bad_input_names_the_key_and_file(make_tiny, tmp_path):
     (tmp_path / "not2d" / "config.json").write_text(json.dumps({**conf, "fc_norm": True}))
     fails(tmp_path / "not2d", r"not2d/config.json: fc_norm .* is not supported", from_format="eagle")
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_demo_ship_step_on_smollm2(tmp_path, capsys):
+    """The demo's export step on the real SmolLM2 verifier (GGUF: no config.json to take architectures from)."""
+    from eyas.pipeline import ship
+
+    m = random_draft("smollm2", N=1024)
+    save_draft(tmp_path / "draft", m, verifier_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct",
+               verifier_architectures=["LlamaForCausalLM"], speculative_tokens=3)  # fmt: skip
+    ship(out=str(tmp_path))
+    conf = json.loads((tmp_path / "draft-sglang" / "config.json").read_text())
+    assert m.config.aux_layer_ids == [2, 15, 27]  # SmolLM2 has 30 layers: [2, L//2, L-3]
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert (conf["vocab_size"], conf["draft_vocab_size"], conf["hidden_size"]) == (49152, 1024, 576)
+    assert "speculative-draft-model-path" in capsys.readouterr().out
+    export(draft=str(tmp_path / "draft-sglang"), out=str(tmp_path / "vllm"), from_format="eagle", verifier="smollm2")
+    spec = json.loads((tmp_path / "vllm" / "config.json").read_text())["speculators_config"]
+    assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"] and spec["verifier"]["name_or_path"]

@@ -43,6 +43,7 @@ from eyas.checkpoint import (
 )
 from eyas.errors import EyasError
 from eyas.manifest import (
+    MANIFEST,
     OutputLock,
     human_bytes,
     manifest_matches,
@@ -122,6 +123,8 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
         return read_manifest(dst, stage="export")
     with OutputLock(dst):
+        for stale in (MANIFEST, CONFIG):  # a re-export interrupted midway must not look finished
+            (dst / stale).unlink(missing_ok=True)
         d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
         where = str(src / CONFIG)
         if info is not None:
@@ -145,6 +148,10 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         manifest = write_manifest(dst, stage="export", inputs=inputs, settings=settings, outputs=outputs,
                                   source=str(src.resolve()))  # fmt: skip
     _print_summary(dst, outputs, verifier=verifier_name or d.verifier_name or (info.path if info else "VERIFIER"))
+    recorded = manifest["outputs"].get("verifier_name_or_path")
+    if recorded and Path(recorded).exists():
+        print(f"  note: the recorded verifier {recorded} is a local path; `vllm serve {dst}` needs a hub id "
+              "(--verifier-name ORG/NAME), the command above works as is")  # fmt: skip
     return manifest
 
 
@@ -411,6 +418,7 @@ def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "vocab_size": cfg.vocab_size,
         "speculative_tokens": back.speculative_tokens,
+        "verifier_name_or_path": back.verifier_name,
         "layout": {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
                    "norm_output": cfg.norm_output},  # fmt: skip
     }

