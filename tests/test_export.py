@@ -277,6 +277,11 @@ def test_rerun_is_skipped_and_cli_forms(make_tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "--out", str(tmp_path / "o")])
     assert "give DRAFT (or --draft)" in capsys.readouterr().err
+    # a refused export into the same dir leaves the previous one whole
+    save(random_draft(v, norm_before_residual=True), tmp_path / "nbr", v)
+    assert main(["export", str(tmp_path / "nbr"), "--out", str(tmp_path / "o"), "--format", "eagle"]) == 2
+    assert "norm_before_residual=true" in capsys.readouterr().err
+    assert (tmp_path / "o" / "manifest.json").read_bytes() == first and (tmp_path / "o" / "config.json").is_file()
 
 
 def _corrupt(path: Path, fn) -> None:
@@ -295,6 +300,9 @@ def test_bad_input_names_the_key_and_file(make_tiny, tmp_path):
         with pytest.raises(EyasError, match=match):
             export(draft=str(src), out=str(tmp_path / "out"), **kw)
 
+    # an EAGLE config names no verifier, which the speculators layout must record
+    fails(tmp_path / "sgl", r"sgl/config.json does not name its verifier; pass --verifier PATH or --verifier-name",
+          from_format="eagle")  # fmt: skip
     # a checkpoint without d2t / t2d, in either layout
     for name, layout, key in (("nod2t", "good", "d2t"), ("not2d", "sgl", "t2d")):
         (tmp_path / name).mkdir()

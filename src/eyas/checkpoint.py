@@ -244,9 +244,9 @@ def read_tensors(wpath: str | os.PathLike, cfg: DraftConfig) -> dict[str, torch.
     return tensors
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], cfg: DraftConfig, *, where: str,
+def check_tensors(tensors: dict[str, Any], cfg: DraftConfig, *, where: str,
                   file_key: Callable[[str], str] = str) -> None:  # fmt: skip
-    """Raise naming the key when a tensor is unexpected, misshapen, or missing for ``cfg``.
+    """Raise naming the key when a tensor (anything with a ``.shape``) is unexpected, misshapen, or missing.
 
     ``file_key`` maps an eyas key to the name the file uses (``midlayer.*`` in the EAGLE layout), so the
     message names what the user will find in the file.

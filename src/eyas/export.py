@@ -123,8 +123,6 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
         return read_manifest(dst, stage="export")
     with OutputLock(dst):
-        for stale in (MANIFEST, CONFIG):  # a re-export interrupted midway must not look finished
-            (dst / stale).unlink(missing_ok=True)
         d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
         where = str(src / CONFIG)
         if info is not None:
@@ -134,16 +132,21 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         torch_dtype = DTYPES[dtype]
         if format == "eagle":
             _check_sglang_servable(d.cfg, info, where=where)
-            write_checkpoint(dst, eagle_tensors(d.cfg, tensors, dtype=torch_dtype),
-                             eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
         else:
             name = verifier_name or d.verifier_name or (info.path if info else None)
             if not name:
                 raise EyasError(f"{where} does not name its verifier; pass --verifier PATH or --verifier-name ORG/NAME")
             arch = d.verifier_architectures or (_verifier_architectures(info) if info else [])
+            tokens = int(speculative_tokens or d.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+        for stale in (MANIFEST, CONFIG):  # checks passed: a re-export interrupted from here must not look finished
+            (dst / stale).unlink(missing_ok=True)
+        if format == "eagle":
+            write_checkpoint(dst, eagle_tensors(d.cfg, tensors, dtype=torch_dtype),
+                             eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
+        else:
             save_tensors(dst, d.cfg, tensors, verifier_name_or_path=str(name), verifier_architectures=arch,
-                         speculative_tokens=int(speculative_tokens or d.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS),
-                         dtype=torch_dtype, include_embeddings=include_embeddings)  # fmt: skip
+                         speculative_tokens=tokens, dtype=torch_dtype,
+                         include_embeddings=include_embeddings)  # fmt: skip
         outputs = _describe(dst, d.cfg, format=format)
         manifest = write_manifest(dst, stage="export", inputs=inputs, settings=settings, outputs=outputs,
                                   source=str(src.resolve()))  # fmt: skip
@@ -171,14 +174,15 @@ def _source_files(src: Path, from_format: str | None) -> list[Path]:
     raise EyasError(f"{src} has no {' or '.join(names)}{hint}")
 
 
-def read_native(path: str | Path) -> Draft:
-    """A draft in eyas's native layout, or as speculators saves it (its embed_tokens, flags, null target size)."""
+def read_native(path: str | Path, *, tensors: bool = True) -> Draft:
+    """A draft in eyas's native layout, or as speculators saves it (its embed_tokens, flags, null target size).
+    ``tensors=False`` reads the config only."""
     cfg, raw = read_draft_config(path)
-    tensors = read_tensors(Path(path) / WEIGHTS, cfg)
+    weights = read_tensors(Path(path) / WEIGHTS, cfg) if tensors else {}
     spec = raw.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
     ver = spec.get("verifier") or {}
-    return Draft(cfg, tensors, verifier_name=ver.get("name_or_path"),
+    return Draft(cfg, weights, verifier_name=ver.get("name_or_path"),
                  verifier_architectures=list(ver.get("architectures") or []),
                  speculative_tokens=methods[0].get("speculative_tokens"))  # fmt: skip
 
@@ -191,14 +195,14 @@ def _eyas_to_eagle_key(key: str) -> str:
     return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
 
 
-def read_eagle(path: str | Path, *, verifier: Any = None) -> Draft:
+def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) -> Draft:
     """An EAGLE-3 draft as the EAGLE repo, SpecForge or SGLang lay it out, read the way SGLang serves it.
 
     Config: a Llama config dict; ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention
     (plus one gives ours), else the verifier's defaults ``[2, L//2, L-3]`` (SGLang's default capture, no
     shift: ``sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``). Weights: ``midlayer.*`` or
     ``layers.0.*``. The residual is always the raw hidden state (``norm_before_residual`` false), as in
-    SGLang's ``llama_eagle3.py`` decoder layer and EAGLE's ``cnets.py``.
+    SGLang's ``llama_eagle3.py`` decoder layer and EAGLE's ``cnets.py``. ``tensors=False`` reads the config only.
     """
     src = Path(path)
     where = str(src / CONFIG)
@@ -239,15 +243,20 @@ def read_eagle(path: str | Path, *, verifier: Any = None) -> Draft:
         "norm_output": bool(c.get("norm_output", False)),
     }
     cfg = draft_config_from_dict(spec_like, where=where)
+    if not tensors:
+        return Draft(cfg, {})
     weights = _source_files(src, "eagle")[0]
-    tensors = _load_weights(weights)
+    return Draft(cfg, check_eagle_tensors(_load_weights(weights), cfg, where=str(weights)))
+
+
+def check_eagle_tensors(tensors: dict[str, Any], cfg: DraftConfig, *, where: str) -> dict[str, Any]:
+    """EAGLE-named tensors (or anything with a ``.shape``) under eyas's names, each key and shape checked."""
     renamed = {_eagle_to_eyas_key(k): v for k, v in tensors.items()}
     if len(renamed) != len(tensors):
-        raise EyasError(f"{src}: holds both midlayer.* and layers.0.* copies of the same tensor")
+        raise EyasError(f"{where}: holds both midlayer.* and layers.0.* copies of the same tensor")
     file_names = {_eagle_to_eyas_key(k): k for k in tensors}
-    check_tensors(renamed, cfg, where=str(weights),
-                  file_key=lambda k: file_names.get(k, _eyas_to_eagle_key(k)))  # fmt: skip
-    return Draft(cfg, renamed)
+    check_tensors(renamed, cfg, where=where, file_key=lambda k: file_names.get(k, _eyas_to_eagle_key(k)))
+    return renamed
 
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -401,12 +410,23 @@ def _verifier_architectures(info: Any) -> list[str]:
     return [name] if name else []
 
 
+def _without_default_width(cfg: DraftConfig) -> DraftConfig:
+    """Both layouts omit a target hidden size equal to the draft's, so compare configs without it."""
+    width = None if cfg.target_hidden_size == cfg.hidden_size else cfg.target_hidden_size
+    return replace(cfg, target_hidden_size=width)
+
+
 def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
     """What was written, after reading it back: the written files must parse to the same draft."""
-    back = read_eagle(dst) if format == "eagle" else read_native(dst)
-    same_width = lambda c: replace(c, target_hidden_size=None if c.target_hidden_size in (None, c.hidden_size)  # noqa: E731
-                                   else c.target_hidden_size)  # both layouts omit a target width equal to H
-    if same_width(back.cfg) != same_width(cfg):
+    from eyas.verifier import read_safetensors_header
+
+    header = read_safetensors_header(dst / WEIGHTS)  # names and shapes only: the data was just written
+    if format == "eagle":
+        back = Draft(read_eagle(dst, tensors=False).cfg, check_eagle_tensors(header, cfg, where=str(dst / WEIGHTS)))
+    else:
+        back = read_native(dst, tensors=False)
+        check_tensors(header, cfg, where=str(dst / WEIGHTS))
+    if _without_default_width(back.cfg) != _without_default_width(cfg):
         raise EyasError(f"{dst}: the written checkpoint reads back as {back.cfg}, not {cfg}; please report this")
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in (dst / WEIGHTS, dst / CONFIG)}
     return {
