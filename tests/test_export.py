@@ -199,12 +199,17 @@ def test_eagle_export_has_what_sglang_reads_and_round_trips(make_tiny, tmp_path,
     assert manifest["outputs"]["aux_layer_ids"] == [1, 3, 6] and manifest["outputs"]["serve_with"] == "vLLM"
 
 
-def test_sglang_cannot_run_norm_before_residual(make_tiny, tmp_path):
+def test_refuses_what_sglang_cannot_run(make_tiny, tmp_path):
     v = make_tiny("llama").path
     save(random_draft(v, norm_before_residual=True), tmp_path / "d", v)
     with pytest.raises(EyasError, match=r"norm_before_residual=true.*sglang/srt/models/llama_eagle3.py"):
         export(draft=str(tmp_path / "d"), out=str(tmp_path / "o"), format="eagle")
     assert not (tmp_path / "o" / "config.json").exists()
+    # the verifier's final state (id L) is fine for vLLM but never captured by SGLang
+    save(random_draft(v, aux_layer_ids=[2, 4, 8]), tmp_path / "last", v)
+    export(draft=str(tmp_path / "last"), out=str(tmp_path / "vllm"), verifier=str(v))
+    with pytest.raises(EyasError, match="aux layer 8 is the verifier's final hidden state, which SGLang never"):
+        export(draft=str(tmp_path / "last"), out=str(tmp_path / "o"), format="eagle", verifier=str(v))
 
 
 def _specforge_dir(path: Path, m: Eagle3Draft, *, bin_file: bool, ids_in_config: bool) -> Path:

@@ -350,9 +350,9 @@ def _check_sglang_servable(cfg: DraftConfig, info: Any, *, where: str) -> None:
                         "un-normed hidden state (sglang/srt/models/llama_eagle3.py), so it would serve this draft "
                         "with other numerics. Serve it with vLLM (--format speculators), or train with "
                         "norm_before_residual=false for SGLang")  # fmt: skip
-    if min(cfg.aux_layer_ids) < 1:
-        raise EyasError(f"{where}: aux layer 0 (the embeddings) has no SGLang id (SGLang ids are ours minus one)")
     if info is not None and max(cfg.aux_layer_ids) >= info.num_hidden_layers:
+        # sglang/srt/models/llama.py: captures happen at the start of layers 0..L-1 (:485-494), so id + 1 = L
+        # never fires and fc would get two aux states instead of three.
         raise EyasError(f"{where}: aux layer {max(cfg.aux_layer_ids)} is the verifier's final hidden state, which "
                         "SGLang never captures (it captures at the start of layers 0..L-1)")  # fmt: skip
 
