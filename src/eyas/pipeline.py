@@ -26,7 +26,10 @@ def demo(*, out: str = "runs/demo") -> None:
         demo_extract(prepared=prepared, out=Path(out) / "features")
     else:
         print(f"\n(no prepared rows at {prepared} yet: the extract step needs `eyas prepare` first)")
-    print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")
+    if (Path(out) / "draft" / "config.json").is_file():  # made by the training step (being written)
+        ship(out=out)
+    else:
+        print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")
 
 
 def demo_extract(*, prepared: Path, out: Path) -> dict:
@@ -39,3 +42,14 @@ def demo_extract(*, prepared: Path, out: Path) -> dict:
     manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
     extract(verify=str(out))
     return manifest
+
+
+def ship(*, out: str) -> None:
+    """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
+    EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
+    from eyas.export import export
+    from eyas.verifier import DEMO_VERIFIER
+
+    print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
+    export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
+           verifier=DEMO_VERIFIER)  # fmt: skip
