@@ -203,3 +203,25 @@ def test_unknown_text_model_is_not_runnable(make_tiny, tmp_path):
     assert not info.runnable and "mystery" in info.reasons[0]
     with pytest.raises(EyasError, match="cannot run"):
         build_text_model(info)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "deepseek_v3", "kimi_like"])
+def test_capture_equals_output_hidden_states(make_tiny, name):
+    from eyas.verifier import HiddenStateCapture, forward_hidden_states
+
+    t = make_tiny(name)
+    info = resolve(t.path)
+    model = build_text_model(info)
+    ids = torch.randint(0, tiny.VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    aux, last = forward_hidden_states(model, ids, layer_ids=info.aux_layer_ids)
+    ref = t.reference()
+    with torch.no_grad():
+        out = ref(ids, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i] for i in info.aux_layer_ids], dim=-1)
+    assert torch.equal(aux, want)
+    # the last output_hidden_states entry is normed; the captured one is the norm's input
+    assert torch.equal(ref.model.norm(last), out.hidden_states[-1])
+    # capture during a full forward with logits (as decoding does) sees the same states
+    with torch.no_grad(), HiddenStateCapture(model, info.aux_layer_ids) as cap:
+        model(ids)
+    assert torch.equal(cap.aux(), want)

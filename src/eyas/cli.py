@@ -23,13 +23,18 @@ from typing import Any, Callable, Literal
 
 from eyas.errors import EyasError
 
-# name -> (module:function, one-line help, positional params, extra flag aliases)
+# name -> (module:function, one-line help, positional params, extra flag aliases). A positional param that
+# also has an aliases entry may be given either way (`eyas export SRC` or `eyas export --draft SRC`).
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
     "prepare": ("eyas.data:prepare", "tokenize conversations with the verifier's chat template and mask the "
                 "assistant's tokens", (), {}),
     "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
+    "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
+                "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
+    "export": ("eyas.export:export", "write a draft in the vLLM (speculators) or SGLang (EAGLE) layout, or import "
+               "an EAGLE/SpecForge/speculators draft", ("draft",), {"draft": (), "from_format": ("--from",)}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
 }  # fmt: skip
 
@@ -143,10 +148,16 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
                 if param.default not in (None, "") and help_:
                     kwargs["help"] = f"{help_} (default: {param.default})"
         if name in positional:
-            if not required:
+            either = name in aliases  # positional or flag: both optional to argparse, one checked in main()
+            if either:
+                kwargs["default"] = argparse.SUPPRESS
+            if not required or either:
                 kwargs["nargs"] = "?"
             parser.add_argument(name, **{k: v for k, v in kwargs.items() if k != "required"})
-            continue
+            if not either:
+                continue
+            kwargs.pop("nargs")
+            required = False
         flag = "--" + ("json" if name == "json_out" else name.replace("_", "-"))
         names = [flag, *aliases.get(name, ())]
         if required and tp is not bool:
@@ -201,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_known_noise()
     fn = _load(COMMANDS[command][0])
     positional = COMMANDS[command][2]
-    pos_args = [args.pop(p) for p in positional]
+    missing = [p for p in positional if p not in args]
+    if missing:
+        parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
-        fn(*pos_args, **args)
+        fn(**args)  # positional on the command line, keywords in Python (stage functions are keyword-only)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)
         return 2

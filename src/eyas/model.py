@@ -1,0 +1,522 @@
+"""The EAGLE-3 draft: architecture only.
+
+Geometry and weight names follow speculators' ``eagle3`` model, which vLLM
+loads as is (``vllm/model_executor/models/llama_eagle3.py``)::
+
+    fc            Linear(3*H_target -> H)     over the concatenated aux states
+    layers.0      one Llama decoder layer whose q/k/v take 2H:
+                  [input_layernorm(embed(token)), hidden_norm(hidden)]
+    norm          RMSNorm(H)
+    lm_head       Linear(H -> draft_vocab)    initialised from the verifier head's draft-vocab rows
+    embed_tokens  frozen copy of the verifier's embedding (vLLM shares the verifier's when absent)
+    d2t, t2d      vocab maps: target_id = draft_id + d2t[draft_id]; t2d[target_id] is in the draft vocab
+
+One function, :meth:`Eagle3Draft.step`, is the draft's forward for both
+training-time test (TTT) and inference: what training optimises is exactly
+what ``eyas eval`` measures. The key/value *context* it attends to is the only
+difference, and the context object owns its mask, so a mask in the wrong
+format for a kernel (a ``BlockMask`` in SDPA) cannot be built:
+
+- :class:`TTTContext` (training): step 0 is causal over the sequence (and
+  within one document when rows are packed); step ``k`` queries attend to the
+  step-0 keys at or before their index plus their own diagonal keys from steps
+  ``1..k`` (EAGLE-3, Li et al. 2025, sec. 3.2 "training-time test").
+- :class:`DraftCache` (inference): a KV cache indexed by position, rolled back
+  by truncation after a verification round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AttnImpl = Literal["eager", "sdpa", "flex"]
+
+
+def default_attn_implementation(device: torch.device | str) -> AttnImpl:
+    """Flex attention with a ``BlockMask`` on CUDA, SDPA with an explicit boolean mask elsewhere."""
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+@dataclass
+class DraftConfig:
+    """The draft's geometry and layout flags (names as in transformers' ``LlamaConfig`` and vLLM)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the verifier's (padded) vocab: rows of embed_tokens, length of t2d
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int | None = None  # the verifier's hidden size, when it differs from the draft's
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    # Layout flags, all written explicitly to config.json (vLLM's parser defaults a missing
+    # norm_before_residual to true; SGLang always uses the un-normed residual). The plain EAGLE-3 layout that
+    # every vLLM and SGLang release loads is all-false.
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators' default: true)
+    norm_before_fc: bool = False  # RMSNorm (`input_norm`) over the concatenated aux states before fc
+    norm_output: bool = False  # feed the *normed* output to the next step (speculators' "Eagle 3.1")
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if len(self.aux_layer_ids) != 3 or self.aux_layer_ids != sorted(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be three ids in ascending order, got {self.aux_layer_ids}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the verifier vocab {self.vocab_size}")
+
+    @property
+    def fc_in_features(self) -> int:
+        return 3 * (self.target_hidden_size or self.hidden_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def llama_config(self):
+        """The decoder layer as a transformers ``LlamaConfig`` (for RoPE, and speculators' ``transformer_layer_config``)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            initializer_range=self.initializer_range,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+        )
+
+    @classmethod
+    def from_verifier(cls, text_config: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int],
+                      **overrides: Any) -> "DraftConfig":  # fmt: skip
+        """Derive the draft layer's shape from the verifier's text config.
+
+        Attention heads, KV heads, MLP width, RoPE and norm epsilon follow the
+        verifier. An MLA verifier (DeepseekV3, Kimi-K2.5) has no ordinary head
+        geometry to copy (its ``qk_rope_head_dim`` is a RoPE slice, not a head),
+        so the draft gets plain GQA: ``head_dim = H / heads`` and 8 KV heads
+        (as community Kimi-K2 drafts use: 64 query / 8 KV heads). Anything can be
+        overridden.
+        """
+        tc = text_config
+        H = int(tc["hidden_size"])
+        heads = int(tc["num_attention_heads"])
+        mla = "kv_lora_rank" in tc or "qk_rope_head_dim" in tc
+        if mla:
+            head_dim = H // heads
+            kv = 8 if heads % 8 == 0 and heads > 8 else heads
+        else:
+            head_dim = int(tc.get("head_dim") or H // heads)
+            kv = int(tc.get("num_key_value_heads") or heads)
+        rope = dict(tc.get("rope_parameters") or {})
+        if not rope:
+            rope = {"rope_type": "default", "rope_theta": float(tc.get("rope_theta", 10000.0))}
+            if tc.get("rope_scaling"):
+                rope.update(tc["rope_scaling"])
+                rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        rope = {k: v for k, v in rope.items() if k not in ("mscale", "mscale_all_dim")} if mla else rope
+        params = dict(
+            hidden_size=H,
+            intermediate_size=int(tc.get("intermediate_size") or 4 * H),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            vocab_size=int(tc["vocab_size"]),
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(tc.get("max_position_embeddings", 8192)),
+        )
+        params.update(overrides)
+        return cls(**params)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin as transformers' Llama computes them, with the inverse frequencies kept in fp32.
+
+    They are a plain attribute, not a buffer, so ``model.to(torch.bfloat16)``
+    cannot round them (bf16 frequencies shift long-context angles).
+    """
+
+    def __init__(self, cfg: "DraftConfig") -> None:
+        super().__init__()
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+            self.attention_scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unknown rope_type {rope_type!r}")
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.llama_config(), "cpu")
+        self._inv_freq = {torch.device("cpu"): inv_freq.float()}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._inv_freq.get(x.device)
+        if inv is None:
+            inv = self._inv_freq[x.device] = self._inv_freq[torch.device("cpu")].to(x.device)
+        freqs = position_ids[..., None].float() * inv  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalise in fp32, scale in the input dtype (transformers ``LlamaRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# --------------------------------------------------------------------------- attention contexts
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Reference attention: explicit scores, mask, fp32 softmax. q [B,h,T,d], k/v [B,h,S,d], mask [B,1,T,S]."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, h, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # [B, kv, S, d] -> [B, kv*groups, S, d]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class TTTContext:
+    """Keys and values of the steps run so far in training-time test, and the mask for the current step.
+
+    Rows may be packed: ``doc_ids [B, T]`` (``-1`` for padding) keeps step-0
+    attention inside one document. Key layout at step ``k``: ``k + 1`` blocks of
+    ``T`` (block 0: step-0 keys, block ``j``: step-``j`` keys), so kv index
+    ``j*T + s`` is step ``j``, sequence index ``s``. Query ``t`` sees block 0 at
+    ``s <= t`` in its document, and blocks ``1..k`` at ``s == t`` only.
+    """
+
+    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl) -> None:
+        self.doc_ids = doc_ids
+        self.impl = attn_implementation
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._block_masks: dict[int, Any] = {}
+
+    @property
+    def step(self) -> int:
+        """The TTT step the next :meth:`attend` call belongs to."""
+        return len(self.keys)
+
+    def _dense_mask(self, k: int) -> torch.Tensor:
+        B, T = self.doc_ids.shape
+        idx = torch.arange(T, device=self.doc_ids.device)
+        same_doc = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (self.doc_ids[:, :, None] >= 0)
+        diag = torch.eye(T, dtype=torch.bool, device=idx.device).expand(B, T, T)
+        # A padding query (doc -1) sees only itself: no fully masked row, so SDPA never yields NaN.
+        causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
+        return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
+
+    def _block_mask(self, k: int):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if k not in self._block_masks:
+            B, T = self.doc_ids.shape
+            docs = self.doc_ids
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                step, s = kv_idx // T, kv_idx % T
+                causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
+                return torch.where(step == 0, causal, s == q_idx)
+
+            self._block_masks[k] = create_block_mask(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
+        return self._block_masks[k]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               position_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """q [B,h,T,d]; k/v [B,kv,T,d] of the current step; returns [B,h,T,d]. (Positions are implied by
+        the step and index; the argument keeps one signature with :class:`DraftCache`.)"""
+        step = self.step
+        self.keys.append(k)
+        self.values.append(v)
+        keys = torch.cat(self.keys, dim=2)  # [B, kv, (step+1)*T, d]
+        values = torch.cat(self.values, dim=2)
+        groups = q.shape[1] // k.shape[1]
+        if self.impl == "flex":
+            return _flex_attention(q, keys, values, block_mask=self._block_mask(step), scale=scale,
+                                   enable_gqa=groups > 1)  # fmt: skip
+        mask = self._dense_mask(step)
+        keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+        if self.impl == "eager":
+            return _eager_attention(q, keys, values, mask, scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, **kwargs):
+    """flex_attention compiled once per process (uncompiled it materialises the scores)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, **kwargs)
+
+
+class DraftCache:
+    """Inference KV cache indexed by position: slot ``p`` holds the key of position ``p``.
+
+    A query at position ``p`` sees every valid slot ``<= p``. After a
+    verification round, :meth:`truncate` drops rejected positions; accepted
+    ones are then recomputed from the verifier's hidden states (as vLLM does),
+    simply by running :meth:`Eagle3Draft.step` over them again.
+    """
+
+    def __init__(self, *, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 attn_implementation: AttnImpl = "sdpa") -> None:  # fmt: skip
+        if attn_implementation == "flex":
+            attn_implementation = "sdpa"  # decoding a few tokens: a dense mask is cheaper than a BlockMask
+        self.impl = attn_implementation
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def truncate(self, lengths: torch.Tensor | int) -> None:
+        """Forget every position ``>= lengths`` (per row)."""
+        lengths = torch.as_tensor(lengths, device=self.valid.device).reshape(-1, 1)
+        slots = torch.arange(self.max_len, device=self.valid.device)
+        self.valid &= slots[None, :] < lengths
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               position_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Write k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to every valid slot at or
+        before each query's position."""
+        pos = position_ids
+        if int(pos.max()) >= self.max_len:
+            raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
+        B, _, T, _ = k.shape
+        rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+        self.k[rows, :, pos] = k.transpose(1, 2).to(self.k.dtype)  # [B, T, kv, d] into slots
+        self.v[rows, :, pos] = v.transpose(1, 2).to(self.v.dtype)
+        self.valid[rows, pos] = True
+        slots = torch.arange(self.max_len, device=pos.device)
+        mask = (self.valid[:, None, :] & (slots[None, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
+        groups = q.shape[1] // k.shape[1]
+        keys, values = _repeat_kv(self.k.to(q.dtype), groups), _repeat_kv(self.v.to(q.dtype), groups)
+        if self.impl == "eager":
+            return _eager_attention(q, keys, values, mask, scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # EAGLE-3: q/k/v read [embeddings, hidden] concatenated, hence 2H inputs.
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, position_ids, context) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = context.attend(q, k, v, self.scale, position_ids)  # [B, h, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """vLLM's ``llama_eagle3.LlamaDecoderLayer``: normed embeddings and normed hidden state, concatenated
+    (embeddings first), feed attention; the residual is the hidden state (normed only with
+    ``norm_before_residual``)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        h = residual + self.self_attn(x, cos, sin, position_ids, context)
+        return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output: vLLM's hidden_prenorm
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft model (speculators ``eagle3`` layout; its state dict keys are the checkpoint's)."""
+
+    def __init__(self, cfg: DraftConfig, *, attn_implementation: AttnImpl = "sdpa") -> None:
+        super().__init__()
+        self.config = cfg
+        self.attn_implementation: AttnImpl = attn_implementation
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # frozen: the verifier's
+        self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Llama's init: normal(0, initializer_range) for linears, ones for norms."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_vocab(self, *, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the vocab maps (``target_id = draft_id + d2t[draft_id]``)."""
+        self.d2t.copy_(d2t.to(torch.long))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def init_from_verifier(self, *, embed: torch.Tensor, lm_head_rows: torch.Tensor) -> None:
+        """Copy the verifier's embedding (frozen) and its head's draft-vocab rows (the lm_head's start)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed)
+            self.lm_head.weight.copy_(lm_head_rows)
+
+    # ------------------------------------------------------------------ forward
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3*H_target] verifier aux states (ascending layer order) -> [B, T, H]."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        return self.fc(aux_hidden)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, context):
+        """One draft forward: the same function in training-time test and in inference.
+
+        ``input_ids [B, T]`` are the tokens *after* the positions whose states
+        ``hidden [B, T, H]`` carry (fused verifier states, or the draft's own
+        pre-norm output of the previous step); ``position_ids [B, T]``.
+        Returns ``(normed, next_hidden)``, both ``[B, T, H]``: logits come from
+        :meth:`compute_logits` on ``normed``, and ``next_hidden`` is the state
+        the next step consumes: the pre-norm output (vLLM's ``hidden_prenorm``),
+        or ``normed`` with ``norm_output``.
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
+        normed = self.norm(prenorm)
+        return normed, normed if self.config.norm_output else prenorm
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits ``[..., draft_vocab]``."""
+        return self.lm_head(normed)
+
+    def ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int,
+            doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """Training-time test over whole sequences: the normed output ``[B, T, H]`` of each step.
+
+        ``input_ids [B, T]`` are the verifier's tokens ``x_0..x_{T-1}`` and
+        ``aux_hidden [B, T, 3H]`` its aux states ``h_t``. Step ``k`` at index
+        ``t`` reads token ``x_{t+1+k}`` (teacher forcing), position ``pos_t + k``
+        and, for ``k > 0``, the step ``k-1`` pre-norm output at ``t``; it
+        predicts ``x_{t+2+k}`` (whose target is the verifier's distribution at
+        ``t+1+k``). Tokens past the end read id 0; the caller masks their loss.
+        """
+        B, T = input_ids.shape
+        if doc_ids is None:
+            doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = _positions_within_docs(doc_ids)
+        context = TTTContext(doc_ids, self.attn_implementation)
+        hidden = self.fuse(aux_hidden)
+        outputs = []
+        for k in range(steps):
+            ids = F.pad(input_ids[:, 1 + k :], (0, 1 + k))  # [B, T]: x_{t+1+k}
+            normed, hidden = self.step(ids, hidden, position_ids + k, context)
+            outputs.append(normed)
+        return outputs
+
+    def new_cache(self, *, batch_size: int, max_len: int, device=None, dtype=None) -> DraftCache:
+        p = self.fc.weight
+        return DraftCache(batch_size=batch_size, max_len=max_len, num_kv_heads=self.config.num_key_value_heads,
+                          head_dim=self.config.head_dim, device=device or p.device, dtype=dtype or p.dtype,
+                          attn_implementation=self.attn_implementation)  # fmt: skip
+
+
+def _positions_within_docs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 at each document start. doc_ids [B, T] -> [B, T]."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values  # index of each doc's first token
+    return idx - first
