@@ -36,3 +36,26 @@ def demo(*, out: str = "runs/demo") -> None:
         ship(out=out)
     else:
         print("\nThe demo stops here for now: the training and evaluation stages are not built yet.")
+
+
+def demo_extract(*, prepared: Path, out: Path) -> dict:
+    """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
+    then a hash check of every shard (what a user runs before a long training job)."""
+    from eyas.extract import extract
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
+    manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
+    extract(verify=str(out))
+    return manifest
+
+
+def ship(*, out: str) -> None:
+    """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
+    EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
+    from eyas.export import export
+    from eyas.verifier import DEMO_VERIFIER
+
+    print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
+    export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
+           verifier=DEMO_VERIFIER)  # fmt: skip
