@@ -31,7 +31,7 @@ from eyas.errors import EyasError
 from eyas.export import export
 from test_export import LAYOUTS, random_draft, save
 
-SPECULATORS_DIR = Path(os.environ.get("EYAS_SPECULATORS_DIR") or Path(sys.prefix) / "speculators-0.9.0")
+from conftest import SPECULATORS_DIR
 WORKER = Path(__file__).with_name("speculators_worker.py")
 ATOL = 1e-4
 T = 24
