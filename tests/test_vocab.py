@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,7 +117,6 @@ def test_selection_matches_the_reference(tokens, n):
     assert got.tolist() == reference(Counter(tokens), n)
 
 
-SPECULATORS_DIR = Path(os.environ.get("EYAS_SPECULATORS_DIR") or Path(sys.prefix) / "speculators-0.9.0")
 SPECULATORS_VOCAB = """
 import sys, numpy as np, torch, datasets
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution, save_token_frequency_distribution
@@ -131,16 +129,14 @@ for n in sizes:
 """
 
 
-@pytest.mark.skipif(not (SPECULATORS_DIR / "speculators").is_dir(),
-                    reason=f"speculators 0.9.0 is not installed in {SPECULATORS_DIR} (`make setup` installs it)")
-def test_same_files_as_speculators_own_builder(make_tiny, tmp_path):
+def test_same_files_as_speculators_own_builder(make_tiny, tmp_path, speculators_dir):
     """speculators 0.9.0 counts the masked tokens of the same prepared rows with its own code
     (``train/vocab_mapping.py``) and builds d2t/t2d: the files are identical, dtype included."""
     rng = np.random.default_rng(0)
     rows = [((rng.zipf(1.3, size=n) % tiny.VOCAB).tolist(), rng.integers(0, 2, size=n).tolist())
             for n in rng.integers(5, 80, 40)]  # fmt: skip
     prepared = tiny.write_prepared(tmp_path / "rows", rows, verifier=make_tiny("llama").path)
-    env = {**os.environ, "PYTHONPATH": str(SPECULATORS_DIR), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "PYTHONPATH": str(speculators_dir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     sizes = (40, 300)  # fewer and more than the distinct masked tokens: padding is exercised
     cmd = [sys.executable, "-c", SPECULATORS_VOCAB, str(prepared / "rows"), str(tiny.VOCAB), str(tmp_path),
            *map(str, sizes)]  # fmt: skip
