@@ -11,10 +11,12 @@ shared machine, other processes take cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import resource
+import sys
 import time
 
 from eyas.data import prepare
@@ -37,7 +39,8 @@ def main() -> None:
         out = f"{args.out}/procs{n}"
         t0 = time.perf_counter()
         cpu0 = _cpu_s()
-        m = prepare(verifier="smollm2", data="sharegpt", out=out, max_seq_len=args.max_seq_len, num_proc=n)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON result
+            m = prepare(verifier="smollm2", data="sharegpt", out=out, max_seq_len=args.max_seq_len, num_proc=n)
         wall = time.perf_counter() - t0
         cpu = _cpu_s() - cpu0
         t = m["timing"]
@@ -46,7 +49,8 @@ def main() -> None:
             "tokens": m["outputs"]["tokens"], "tokenize_s": t["tokenize_s"],
             "conversations_per_s": t["conversations_per_s"],
             "tokens_per_s": round(m["outputs"]["tokens"] / t["tokenize_s"]), "wall_s": round(wall, 1),
-            "cpu_s": round(cpu, 1), "load_avg_1m": os.getloadavg()[0],
+            "cpu_s": round(cpu, 1), "conversations_per_cpu_s": round(m["outputs"]["rows_sampled"] / cpu, 1),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
         })  # fmt: skip
     print(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results}, indent=2))
 

@@ -315,20 +315,14 @@ print("ok", len(ds))
 """
 
 
-def test_speculators_own_dataset_reads_the_layout(make_tiny, tmp_path_factory, tmp_path):
-    """speculators 0.9.0's ArrowDataset (installed beside our torch with --no-deps) reads what we write."""
-    site = tmp_path_factory.mktemp("speculators_site")
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-           "speculators==0.9.0", "hs-connectors==0.9.0", "openai", "sniffio"]  # fmt: skip
-    r = subprocess.run(pip, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"could not install speculators==0.9.0 from PyPI here: {r.stderr.strip()[-300:]}")
+def test_speculators_own_dataset_reads_the_layout(make_tiny, speculators_dir, tmp_path):
+    """speculators 0.9.0's ArrowDataset (installed beside our torch by `make setup`) reads what we write."""
     t = make_tiny("llama")
     prep = _prepared(tmp_path / "prep", t.path, _rows(5, seed=29))
     extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="bf16",
             speculators_out=str(tmp_path / "spec"))  # fmt: skip
     env = _env()
-    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(site)
+    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(speculators_dir)
     r = subprocess.run([sys.executable, "-c", SPECULATORS_READS, str(tmp_path / "spec"), str(tmp_path / "f")],
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("ok 5"), r.stderr[-3000:]

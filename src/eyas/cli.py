@@ -23,7 +23,8 @@ from typing import Any, Callable, Literal
 
 from eyas.errors import EyasError
 
-# name -> (module:function, one-line help, positional params, extra flag aliases)
+# name -> (module:function, one-line help, positional params, extra flag aliases). A positional param that
+# also has an aliases entry may be given either way (`eyas export SRC` or `eyas export --draft SRC`).
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
@@ -32,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
     "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
     "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
                 "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
+    "export": ("eyas.export:export", "write a draft in the vLLM (speculators) or SGLang (EAGLE) layout, or import "
+               "an EAGLE/SpecForge/speculators draft", ("draft",), {"draft": (), "from_format": ("--from",)}),
     "eval": ("eyas.evaluate:evaluate", "measure a draft by real speculative decoding: tau, acceptance, lossless, speedup",
              (), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
@@ -147,10 +150,16 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
                 if param.default not in (None, "") and help_:
                     kwargs["help"] = f"{help_} (default: {param.default})"
         if name in positional:
-            if not required:
+            either = name in aliases  # positional or flag: both optional to argparse, one checked in main()
+            if either:
+                kwargs["default"] = argparse.SUPPRESS
+            if not required or either:
                 kwargs["nargs"] = "?"
             parser.add_argument(name, **{k: v for k, v in kwargs.items() if k != "required"})
-            continue
+            if not either:
+                continue
+            kwargs.pop("nargs")
+            required = False
         flag = "--" + ("json" if name == "json_out" else name.replace("_", "-"))
         names = [flag, *aliases.get(name, ())]
         if required and tp is not bool:
@@ -205,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_known_noise()
     fn = _load(COMMANDS[command][0])
     positional = COMMANDS[command][2]
-    pos_args = [args.pop(p) for p in positional]
+    missing = [p for p in positional if p not in args]
+    if missing:
+        parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
-        fn(*pos_args, **args)
+        fn(**args)  # positional on the command line, keywords in Python (stage functions are keyword-only)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)
         return 2

