@@ -227,8 +227,9 @@ def test_sliding_window_verifier_rolls_back():
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256)  # fmt: skip
     model = MistralForCausalLM(cfg).eval()
-    draft = Eagle3Draft(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=8, vocab_size=64, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]))  # fmt: skip
+    dcfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       vocab_size=64, draft_vocab_size=64, aux_layer_ids=[1, 2, 3])  # fmt: skip
+    draft = Eagle3Draft(dcfg)
     draft.t2d.fill_(True)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)

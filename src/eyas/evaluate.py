@@ -873,9 +873,13 @@ def evaluate(
                 trust_remote_code=trust_remote_code)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     K = draft_tokens
-    static = cache == "static" or (cache == "auto" and dev.type == "cuda" and not has_sliding_window(env["model"].config))
-    mode = None if compile == "none" or (compile == "auto" and dev.type != "cuda") else (
-        "reduce-overhead" if compile == "auto" else compile)  # fmt: skip
+    # auto: static on CUDA (CUDA graphs need it) unless sliding-window layers make it impossible to roll back
+    sliding = has_sliding_window(env["model"].config)
+    static = cache == "static" or (cache == "auto" and dev.type == "cuda" and not sliding)
+    if compile == "auto":  # fixed shapes need the static cache; a growing dynamic one would recompile every token
+        mode = "reduce-overhead" if static and dev.type == "cuda" else None
+    else:
+        mode = None if compile == "none" else compile
     bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=K)
     runners = Runners.build(env["model"], d, draft_tokens=K, static=static, compile_mode=mode, max_len=bound)
     m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
