@@ -287,3 +287,47 @@ def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verif
         vocab_size=info.vocab_size,
     )
     return path
+
+
+#: The weight quantization of Kimi-K2.5's int4 release (compressed-tensors ``pack-quantized``: symmetric int4,
+#: one scale per group of 32 input columns), applied here to every Linear but the head.
+INT4_GROUP = 32
+
+
+def llama_int4(path: Path, *, seed: int = 7) -> Tiny:
+    """A Llama whose Linear weights are compressed-tensors int4 (``pack-quantized``, group size 32), built and
+    packed with the ``compressed-tensors`` package itself. The returned reference model holds the *dequantized*
+    weights, computed here independently (``round(w / s)`` clamped to [-8, 7], times ``s``)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**_common())
+    model = _build(cfg, LlamaForCausalLM, seed)
+    qcfg = QuantizationConfig.model_validate({
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": INT4_GROUP, "dynamic": False, "observer": "minmax"}}},
+        "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "quantization_status": "initialized",
+    })  # fmt: skip
+    apply_quantization_config(model, qcfg, show_progress=False)
+    sd = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("_scale", "_zero_point"))}
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w = module.weight.data
+        groups = w.reshape(w.shape[0], -1, INT4_GROUP)  # [out, in/32, 32]
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
+        s = module.weight_scale.data.float()[..., None]
+        sd[name + ".weight"] = (torch.clamp(torch.round(groups / s), -8, 7) * s).reshape(w.shape)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    compressor.update_config(str(path))
+    make_tokenizer().save_pretrained(path)
+    return Tiny(path, cfg, LlamaForCausalLM, sd)

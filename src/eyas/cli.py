@@ -27,6 +27,8 @@ from eyas.errors import EyasError
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
+    "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
+                "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
 }  # fmt: skip
 

@@ -631,6 +631,8 @@ def key_mapping(info: VerifierInfo) -> dict[str, str] | None:
 def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     cfg = json.loads((info.checkpoint_dir / "config.json").read_text())
     q = copy.deepcopy(cfg.get("quantization_config") or info.text_config.get("quantization_config"))
+    if q and q.get("quant_method") == "compressed-tensors":
+        q.update(_ct_dequantize_flag())
     if not q or info.weight_prefix == "model.":
         return q
     # compressed-tensors names modules by their checkpoint path; rename them as the keys are renamed.
@@ -639,6 +641,19 @@ def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     if isinstance(q.get("ignore"), list):
         q["ignore"] = [ren(s) for s in q["ignore"]]
     return q
+
+
+def _ct_dequantize_flag() -> dict[str, bool]:
+    """Ask transformers to dequantize compressed-tensors weights while loading. Otherwise it leaves them packed
+    and decompresses on the first forward of the *top* module (a hook on ``*ForCausalLM``), which a caller
+    running only the backbone (``model.model``, as extract does to skip the head) never triggers. Newer
+    transformers call the flag ``dequantize=True``, older ones ``run_compressed=False``."""
+    import inspect
+
+    from transformers import CompressedTensorsConfig
+
+    params = inspect.signature(CompressedTensorsConfig.__init__).parameters
+    return {"dequantize": True} if "dequantize" in params else {"run_compressed": False}
 
 
 def build_text_model(

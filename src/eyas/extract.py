@@ -1,0 +1,640 @@
+"""``eyas extract``: run the verifier over prepared rows and store the hidden states offline training reads.
+
+The verifier's text backbone runs with plain transformers (any layout
+:mod:`eyas.verifier` resolves: wrappers, MoE/MLA, GGUF, compressed-tensors
+int4) on CPU or GPU. Forward pre-hooks on the three aux decoder layers and on
+the final norm capture exactly what EAGLE-3 needs (the state *entering* each
+aux layer, and the last state *before* the norm); ``model.model`` runs, never
+the head, so no logits are materialised.
+
+Rows are cut into shards of contiguous rows (about 1 GiB each); inside a shard
+they are sorted by length and packed into batches under a token budget. Batches
+are right-padded and run with a causal mask only: a real token never attends
+to a later position, so padding cannot reach a stored row, and SDPA takes its
+fastest (``is_causal``) path. On CUDA the gathered states go to pinned host
+memory on a side stream while the next batch computes, and a writer thread
+assembles, hashes and writes each shard while the following one computes.
+
+Resumable: each rank records finished shards (with sha256) in
+``.progress-rank{r}.json`` after each shard; a rerun keeps the shards whose
+hash still matches and redoes the rest, byte for byte the same. The manifest is
+written last. Under ``torchrun`` shards are dealt out to ranks, so the output
+is identical to a one-process run. The format is :mod:`eyas.features`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from eyas import features
+from eyas.errors import EyasError
+from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
+
+SHARD_BYTES = 1 << 30  # target shard size on disk
+BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
+PAD_ID = 0  # right padding: its value never reaches a stored row (causal attention)
+PROGRESS_GLOB = ".progress-*.json"
+MERGED_PROGRESS = ".progress-merged.json"
+
+
+# --------------------------------------------------------------------------- rows in
+
+
+class RowSource(Protocol):
+    """What the extractor reads: per-row lengths, and rows ``[start, end)`` as (ids, loss mask) arrays."""
+
+    lengths: np.ndarray
+
+    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+
+class PreparedRows:
+    """Rows of an ``eyas prepare`` output (a ``datasets`` dataset, memory-mapped)."""
+
+    def __init__(self, ds, where: str | Path) -> None:
+        self.where = str(where)
+        self._files = [f["filename"] for f in ds.cache_files]
+        self.ds = ds.with_format("numpy")
+        self.lengths = np.asarray(self.ds["seq_len"], dtype=np.int64)
+
+    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        part = self.ds[start:end]
+        out = []
+        for r, (ids, mask) in enumerate(zip(part["input_ids"], part["loss_mask"])):
+            ids, mask = np.asarray(ids, np.int64), np.asarray(mask).astype(bool)
+            if not len(ids) == len(mask) == self.lengths[start + r]:
+                raise EyasError(
+                    f"{self.where}: row {start + r} has {len(ids)} input_ids, {len(mask)} loss_mask values and "
+                    f"seq_len {self.lengths[start + r]}; they must agree: run `eyas prepare` again"
+                )
+            out.append((ids, mask))
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """What the features were made from: row and token counts and a hash of the Arrow files."""
+        from eyas.manifest import sha256_file
+
+        h = hashlib.sha256()
+        for f in self._files:
+            h.update(sha256_file(f).encode())
+        return {"rows": len(self.lengths), "tokens": int(self.lengths.sum()), "arrow_sha256": h.hexdigest()}
+
+
+class InMemoryRows:
+    """Rows given as a list of (ids, loss mask): for benchmarks and tests that need no prepared directory."""
+
+    def __init__(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        self.rows = [(np.asarray(i, np.int64), np.asarray(m).astype(bool)) for i, m in rows]
+        self.lengths = np.array([len(i) for i, _ in self.rows], dtype=np.int64)
+
+    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return self.rows[start:end]
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def check_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Exactly three distinct aux layer ids in ``1..L-1``, returned ascending (the order both engines
+    concatenate them in). Id 0 is refused: vLLM captures ``hidden_states + residual`` and the residual does
+    not exist before layer 0, and SGLang's export writes ``id - 1``."""
+    ids = [int(i) for i in ids]
+    if len(ids) != 3 or len(set(ids)) != 3:
+        raise EyasError(f"--layers needs exactly three distinct layer ids (EAGLE-3's fc fuses 3 states), got {ids}")
+    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise EyasError(
+            f"layer id(s) {bad} out of range for a verifier with {num_layers} layers: use ids 1..{num_layers - 1} "
+            "(id i is the hidden state entering decoder layer i)"
+        )
+    return sorted(ids)
+
+
+def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[tuple[int, int]]:
+    """Cut rows into contiguous shards ``[start, end)`` of at least ``shard_tokens`` tokens (the last may be
+    smaller); a row is never split. Depends only on the lengths, so every rank computes the same plan."""
+    shards, start, acc = [], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        acc += n
+        if acc >= shard_tokens:
+            shards.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(lengths) or not shards:
+        shards.append((start, len(lengths)))
+    return shards
+
+
+def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
+    """Positions of non-empty rows in batches: longest first, each batch padded to its first row's length and
+    holding as many rows as fit in ``batch_tokens`` (a longer row runs alone)."""
+    order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def assign_shards(tokens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Deal shards to ranks, each to the rank with the fewest tokens so far (ties: lowest rank)."""
+    load = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for k, n in enumerate(tokens):
+        r = min(range(world_size), key=lambda j: (load[j], j))
+        out[r].append(k)
+        load[r] += n
+    return out
+
+
+# --------------------------------------------------------------------------- capture
+
+
+class _Capture:
+    """Forward pre-hooks that keep, for the real tokens only, the input of each aux decoder layer and of the
+    final norm. Gathering inside the hook copies the states before any later in-place update could touch them."""
+
+    def __init__(self, backbone: torch.nn.Module, layer_ids: list[int]) -> None:
+        layers, norm = getattr(backbone, "layers", None), getattr(backbone, "norm", None)
+        if layers is None or norm is None:
+            raise EyasError(f"the text model {type(backbone).__name__} has no `.layers` / `.norm`; "
+                            "eyas cannot find where to capture its hidden states")  # fmt: skip
+        self.index: torch.Tensor | None = None  # flat positions of the real tokens in [B*T]
+        self.states: list[torch.Tensor | None] = [None] * NUM_STATES
+        modules = [layers[i] for i in layer_ids] + [norm]
+        self._hooks = [m.register_forward_pre_hook(self._hook(k), with_kwargs=True) for k, m in enumerate(modules)]
+
+    def _hook(self, k: int) -> Callable:
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
+            idx = self.index if self.index.device == x.device else self.index.to(x.device)
+            self.states[k] = x.flatten(0, 1).index_select(0, idx)  # [N, H]
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+@dataclass
+class _Batch:
+    rows: list[int]  # positions within the shard
+    offsets: list[int]  # token offset of each row in `hidden`
+    hidden: torch.Tensor  # [N, 4, H] in the storage dtype, on the host (maybe still being copied)
+    scale: torch.Tensor | None  # fp8: [B, 4] float32
+    ready: Any = None  # a CUDA event recorded after the copy
+
+
+@dataclass
+class _ShardJob:
+    start: int
+    end: int
+    rows: list[tuple[np.ndarray, np.ndarray]]
+    batches: list[_Batch] = field(default_factory=list)
+
+
+class Extractor:
+    """Runs a loaded verifier over shards of rows and writes feature shards (the stage's engine; the benchmark
+    drives it directly with a preloaded model)."""
+
+    def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int) -> None:
+        self.backbone = model.base_model  # the decoder stack: `model.model` for every *ForCausalLM
+        self.device = self.backbone.get_input_embeddings().weight.device
+        self.layer_ids = layer_ids
+        self.dtype = dtype
+        self.batch_tokens = batch_tokens
+        self.cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
+        """The batch's ids, right-padded to its longest row: ``[B, T]`` int64 on the model's device."""
+        T = len(rows[batch[0]][0])
+        ids = torch.full((len(batch), T), PAD_ID, dtype=torch.int64, pin_memory=self.cuda)
+        for b, r in enumerate(batch):
+            ids[b, : len(rows[r][0])] = torch.from_numpy(rows[r][0])
+        return ids.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def _run_batch(self, cap: _Capture, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> _Batch:
+        ids = self.padded(rows, batch)
+        B, T = ids.shape
+        lengths = [len(rows[r][0]) for r in batch]
+        index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
+        cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
+        self.backbone(input_ids=ids, use_cache=False)
+        hidden = torch.stack([s.to(cap.states[0].device) for s in cap.states], dim=1)  # [N, 4, H]
+        scale = None
+        if self.dtype == "fp8":
+            row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
+            token_amax = hidden.abs().amax(-1).float()  # [N, 4]
+            amax = torch.zeros(B, NUM_STATES, device=hidden.device).scatter_reduce(
+                0, row_of[:, None].expand(-1, NUM_STATES), token_amax, "amax"
+            )  # [B, 4]
+            scale = features.fp8_scale(amax)
+            hidden = features.fp8_encode(hidden, scale[row_of][:, :, None])
+        else:
+            hidden = hidden.to(STORAGE_DTYPES[self.dtype])
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        cap.states = [None] * NUM_STATES
+        return _Batch(batch, offsets, *self._to_host(hidden, scale))
+
+    def _to_host(self, hidden: torch.Tensor, scale: torch.Tensor | None) -> tuple:
+        if not self.cuda:
+            return hidden, scale, None
+        # Copy on a side stream into pinned memory so the next batch's forward overlaps the transfer.
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)
+        out = []
+        with torch.cuda.stream(self._copy_stream):
+            for t in (hidden, scale):
+                if t is None:
+                    out.append(None)
+                    continue
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self._copy_stream)  # keep the device memory alive until the copy is done
+                out.append(host)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        return out[0], out[1], ready
+
+    def run(
+        self,
+        source: RowSource,
+        shards: list[tuple[int, int]],
+        out: str | Path,
+        *,
+        on_shard: Callable[[dict[str, Any]], None] | None = None,
+        progress: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Extract ``shards`` (row ranges) of ``source`` into ``out``; returns their manifest entries in order
+        of completion. ``on_shard`` is called (on the writer thread) after each shard is durably written."""
+        from tqdm.auto import tqdm
+
+        entries: list[dict[str, Any]] = []
+
+        def done(entry: dict[str, Any]) -> None:
+            entries.append(entry)
+            if on_shard is not None:
+                on_shard(entry)
+
+        total = int(sum(source.lengths[s:e].sum() for s, e in shards))
+        H = self.backbone.get_input_embeddings().embedding_dim
+        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype])
+        cap = _Capture(self.backbone, self.layer_ids)
+        bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
+        try:
+            for start, end in shards:
+                writer.reserve()
+                rows = source.fetch(start, end)
+                vocab = self.backbone.get_input_embeddings().num_embeddings
+                for r, (ids, _) in enumerate(rows):
+                    if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+                        raise EyasError(f"row {start + r} has token id {int(ids.max())} outside the verifier's "
+                                        f"vocabulary of {vocab}: the prepared rows do not belong to this verifier")  # fmt: skip
+                job = _ShardJob(start, end, rows)
+                for batch in plan_batches(np.array([len(i) for i, _ in rows]), self.batch_tokens):
+                    job.batches.append(self._run_batch(cap, rows, batch))
+                    bar.update(sum(len(rows[r][0]) for r in batch))
+                writer.submit(job)
+            writer.close()
+        finally:
+            cap.remove()
+            bar.close()
+            writer.abort()
+        return entries
+
+
+class _Writer:
+    """Assembles each shard from its batches and writes it on a background thread. At most two shards are in
+    flight (one computing, one writing), which bounds host memory and backs off when the disk is slower."""
+
+    def __init__(self, out: Path, layer_ids: list[int], done: Callable[[dict[str, Any]], None], *,
+                 hidden_size: int, dtype: torch.dtype) -> None:  # fmt: skip
+        self.out, self.layer_ids, self.done = out, layer_ids, done
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
+        self._slots = threading.Semaphore(2)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="eyas-shard-writer", daemon=True)
+        self._thread.start()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def reserve(self) -> None:
+        while not self._slots.acquire(timeout=0.5):
+            self._check()
+        self._check()
+
+    def submit(self, job: _ShardJob) -> None:
+        self._check()
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self._check()
+
+    def abort(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self.error is None:
+                    self.done(self._write(job))
+            except BaseException as e:  # handed to the main thread at its next call
+                self.error = e
+            finally:
+                self._slots.release()
+
+    def _write(self, job: _ShardJob) -> dict[str, Any]:
+        where: dict[int, tuple[_Batch, int, int]] = {}
+        for b in job.batches:
+            if b.ready is not None:
+                b.ready.synchronize()
+            for j, (r, off) in enumerate(zip(b.rows, b.offsets)):
+                where[r] = (b, j, off)
+        hidden, scales = [], []
+        for r, (ids, _) in enumerate(job.rows):
+            if r in where:
+                b, j, off = where[r]
+                hidden.append(b.hidden[off : off + len(ids)])
+                scales.append(b.scale[j] if b.scale is not None else None)
+            else:  # an empty row
+                hidden.append(torch.empty(0, NUM_STATES, self.hidden_size, dtype=self.dtype))
+                scales.append(torch.ones(NUM_STATES))
+        fp8 = self.dtype == torch.float8_e4m3fn
+        tensors = features.shard_tensors(
+            [torch.from_numpy(i) for i, _ in job.rows],
+            [torch.from_numpy(m) for _, m in job.rows],
+            hidden,
+            scales if fp8 else None,
+        )
+        return features.write_shard(self.out, start=job.start, end=job.end, tensors=tensors, layer_ids=self.layer_ids)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def _read_progress(out: Path, plan: str) -> dict[str, dict[str, Any]]:
+    """Every shard any earlier run recorded as finished (merged file first, then the per-rank files)."""
+    entries: dict[str, dict[str, Any]] = {}
+    files = sorted(out.glob(PROGRESS_GLOB), key=lambda p: (p.name != MERGED_PROGRESS, p.name))
+    for p in files:
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # written atomically, so this is not ours; its shards are simply redone
+        if d.get("plan") != plan:
+            raise EyasError(
+                f"{out} holds an unfinished extraction made with other inputs or settings ({p.name}); "
+                "run the command that made it again to finish it, or choose another --out"
+            )
+        entries.update(d.get("shards", {}))
+    return entries
+
+
+class _Progress:
+    """This rank's record of finished shards, rewritten atomically after each one."""
+
+    def __init__(self, path: Path, plan: str, initial: dict[str, dict[str, Any]]) -> None:
+        self.path, self.plan, self.shards = path, plan, dict(initial)
+        self._lock = threading.Lock()
+        self._save()
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self.shards[entry["file"]] = entry
+            self._save()
+
+    def _save(self) -> None:
+        from eyas.manifest import write_json
+
+        write_json(self.path, {"plan": self.plan, "shards": self.shards})
+
+
+def _still_good(out: Path, entry: dict[str, Any] | None) -> bool:
+    from eyas.manifest import sha256_file
+
+    if entry is None:
+        return False
+    p = out / entry["file"]
+    return p.is_file() and p.stat().st_size == entry["bytes"] and sha256_file(p) == entry["sha256"]
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def extract(
+    *,
+    verifier: str | None = None,
+    data: str | None = None,
+    out: str | None = None,
+    layers: list[int] | None = None,
+    batch_tokens: int | None = None,
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16",
+    device: str | None = None,
+    device_map: str | None = None,
+    shard_tokens: int | None = None,
+    speculators_out: str | None = None,
+    verify: str | None = None,
+) -> dict[str, Any]:
+    """Run the verifier over prepared rows and store its aux and last hidden states as feature shards.
+
+    Resumable (rerun the same command), distributed with
+    ``torchrun --nproc-per-node N -m eyas.cli extract ...``, and checkable with ``--verify DIR``.
+
+    Args:
+        verifier: the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must be for it.
+        data: a directory written by `eyas prepare`.
+        out: the output directory for the feature shards.
+        layers: three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3].
+        batch_tokens: tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU).
+        dtype: stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).
+        device: cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU.
+        device_map: 'auto' spreads a verifier larger than one GPU over all of them (one process only).
+        shard_tokens: tokens per shard (default: about 1 GiB of features per shard).
+        speculators_out: also write the features in speculators' offline layout to this directory.
+        verify: check the shards of this finished output against its manifest (hashes) and exit.
+    """
+    if verify is not None:
+        summary = features.verify(verify)
+        print(f"{verify}: ok, {summary['shards']} shards, {summary['rows']} rows, {summary['tokens']} tokens, "
+              f"every sha256 matches the manifest")  # fmt: skip
+        return summary
+    missing = [f"--{n}" for n, v in (("verifier", verifier), ("data", data), ("out", out)) if v is None]
+    if missing:
+        raise EyasError(f"eyas extract needs {', '.join(missing)} (or --verify DIR)")
+    from eyas import dist as _dist
+
+    if device_map is not None and device is not None:
+        raise EyasError("give either --device or --device-map, not both")
+    kind = "cuda" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
+    d = _dist.init(device_type=kind)
+    try:
+        return _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,
+                        batch_tokens=batch_tokens, dtype=dtype, device=device, device_map=device_map,
+                        shard_tokens=shard_tokens, speculators_out=speculators_out)  # fmt: skip
+    finally:
+        d.close()
+
+
+def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
+             speculators_out) -> dict[str, Any]:  # fmt: skip
+    from eyas.datasets import load_prepared, prepared_verifier
+    from eyas.manifest import MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json
+    from eyas.verifier import build_text_model, fingerprint, resolve
+
+    if dtype not in STORAGE_DTYPES:
+        raise EyasError(f"--dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+    info = resolve(verifier)
+    ds, pmanifest = load_prepared(data)
+    fp = fingerprint(info)
+    if prepared_verifier(pmanifest) != fp:
+        raise EyasError(
+            f"the prepared rows in {data} were tokenized for another verifier "
+            f"({pmanifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` with this "
+            "--verifier, or pass the verifier they were made for"
+        )
+    layer_ids = check_layer_ids(layers if layers is not None else info.aux_layer_ids, info.num_hidden_layers)
+    if device_map is not None:
+        if d.active:
+            raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "
+                            "torchrun (or run one process)")  # fmt: skip
+        where: torch.device | None = None
+        on_cuda = torch.cuda.is_available()
+    else:
+        where = d.device(device)
+        on_cuda = where.type == "cuda"
+        if on_cuda and not torch.cuda.is_available():
+            raise EyasError(f"--device {device} asked for CUDA but torch sees no GPU (torch {torch.__version__})")
+    # bf16 on GPUs, as the verifier is served; fp32 on CPU (and when fp32 is asked for), where it is exact.
+    compute_dtype = torch.bfloat16 if on_cuda and dtype != "fp32" else torch.float32
+    batch_tokens = batch_tokens or BATCH_TOKENS["cuda" if on_cuda else "cpu"]
+    source = PreparedRows(ds, data)
+    H = info.hidden_size
+    shard_tokens = shard_tokens or max(1, SHARD_BYTES // bytes_per_token(H, dtype))
+    shards = plan_shards(source.lengths, shard_tokens)
+    inputs = {"verifier": fp, "data": source.identity()}
+    settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
+                "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens}  # fmt: skip
+    plan = sha256_json({"inputs": inputs, "settings": settings})
+
+    with contextlib.ExitStack() as stack:
+
+        def open_out() -> dict[str, Any] | None:
+            if manifest_matches(out, stage=STAGE, inputs=inputs, settings=settings):
+                return None
+            if (out / MANIFEST).exists():
+                raise EyasError(f"{out} holds features made from other inputs or settings; choose another --out "
+                                "or remove it")  # fmt: skip
+            stack.enter_context(OutputLock(out))
+            for tmp in out.glob(".*.tmp-*"):  # left by a killed run; the lock says no writer is alive
+                tmp.unlink() if tmp.is_file() else None
+            entries = _read_progress(out, plan)
+            from eyas.manifest import write_json
+
+            write_json(out / MERGED_PROGRESS, {"plan": plan, "shards": entries})
+            for p in out.glob(".progress-rank*.json"):
+                p.unlink()
+            return entries
+
+        known = d.run_on_main(open_out)
+        if known is None:
+            manifest = features.read_features_manifest(out)
+            if d.is_main:
+                print(f"{out}: already extracted ({manifest['num_rows']} rows); nothing to do")
+                if speculators_out:
+                    features.write_speculators(out, out=speculators_out)
+            return manifest
+        d.barrier("start of extraction")
+        mine = assign_shards([int(source.lengths[s:e].sum()) for s, e in shards], d.world_size)[d.rank]
+        kept = {shard_name(*shards[k]): known[shard_name(*shards[k])] for k in mine
+                if _still_good(out, known.get(shard_name(*shards[k])))}  # fmt: skip
+        todo = [shards[k] for k in mine if shard_name(*shards[k]) not in kept]
+        need = int(sum(source.lengths[s:e].sum() for s, e in todo)) * bytes_per_token(H, dtype)
+        total_need = sum(d.all_gather(need))
+        check_free_disk(out, needed=total_need, what=f"extracting {len(shards)} shard(s) of {dtype} features")
+        record = _Progress(out / f".progress-rank{d.rank}.json", plan, kept)
+        tokens_done, elapsed = 0, 0.0
+        if todo:
+            model = build_text_model(info, dtype=compute_dtype, device=where, device_map=device_map)
+            extractor = Extractor(model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens)
+            t0 = time.perf_counter()
+            extractor.run(source, todo, out, on_shard=record.add, progress=d.is_main)
+            elapsed = time.perf_counter() - t0
+            tokens_done = int(sum(source.lengths[s:e].sum() for s, e in todo))
+        rates = d.all_gather((tokens_done, elapsed))
+        d.barrier("end of extraction")
+
+        def finish() -> dict[str, Any]:
+            entries: dict[str, dict[str, Any]] = {}
+            for r in range(d.world_size):
+                p = out / f".progress-rank{r}.json"
+                entries.update(json.loads(p.read_text())["shards"])
+            ordered = []
+            for s, e in shards:
+                entry = entries.get(shard_name(s, e))
+                if entry is None:
+                    raise EyasError(f"{out}: shard {shard_name(s, e)} was not recorded by any rank; run again")
+                ordered.append(entry)
+            tokens = sum(x["tokens"] for x in ordered)
+            nbytes = sum(x["bytes"] for x in ordered)
+            m = _write_manifest(out, inputs=inputs, settings=settings, shards=ordered, layer_ids=layer_ids,
+                                dtype=dtype, hidden_size=H, num_rows=len(source.lengths), verifier_path=info.path,
+                                data=data, tokens=tokens, nbytes=nbytes)  # fmt: skip
+            for p in out.glob(PROGRESS_GLOB):
+                p.unlink()
+            return m
+
+        manifest = d.run_on_main(finish)
+    if d.is_main:
+        tokens, nbytes = manifest["outputs"]["tokens"], manifest["outputs"]["bytes"]
+        done_tokens = sum(t for t, _ in rates)
+        rate = done_tokens / max(max(e for _, e in rates), 1e-9)
+        print(f"extracted {manifest['num_rows']} rows, {tokens} tokens into {len(shards)} shard(s) in {out}: "
+              f"{human_bytes(nbytes)}, {nbytes / max(tokens, 1):.0f} bytes/token ({dtype}), layers {layer_ids}"
+              + (f"; {done_tokens} tokens this run at {rate:,.0f} tokens/s" if done_tokens else ""))  # fmt: skip
+        if speculators_out:
+            path = features.write_speculators(out, out=speculators_out)
+            print(f"speculators' offline layout written to {path}")
+    return manifest
+
+
+def _write_manifest(out: Path, *, inputs, settings, shards, layer_ids, dtype, hidden_size, num_rows,
+                    verifier_path, data, tokens, nbytes) -> dict[str, Any]:  # fmt: skip
+    from eyas.manifest import write_manifest
+
+    return write_manifest(
+        out,
+        stage=STAGE,
+        inputs=inputs,
+        settings=settings,
+        outputs={"rows": num_rows, "tokens": tokens, "bytes": nbytes, "bytes_per_token": nbytes / max(tokens, 1),
+                 "shards": shards},  # fmt: skip
+        format=FORMAT,
+        layer_ids=layer_ids,
+        last_hidden_normed=False,
+        dtype=dtype,
+        hidden_size=hidden_size,
+        num_rows=num_rows,
+        verifier_path=verifier_path,
+        data_path=str(data),
+    )

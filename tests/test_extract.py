@@ -1,0 +1,323 @@
+"""`eyas extract`: exact states on every verifier layout, batching without leaks, crash-safe resume, --verify,
+fp8, the int4 verifier, speculators' layout, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+from eyas import extract as extract_mod
+from eyas.cli import main as cli_main
+from eyas.errors import EyasError
+from eyas.extract import extract, plan_batches, plan_shards
+from eyas.features import FeatureReader, shard_name, verify
+
+EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: faster on shared 2-core machines, and the same in every process we compare."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _rows(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        t = rng.randint(lo, hi)
+        ids = [rng.randrange(3, tiny.VOCAB) for _ in range(t)]
+        mask = [0] * (t // 2) + [1] * (t - t // 2)
+        rows.append((ids, mask))
+    return rows
+
+
+def _prepared(path: Path, verifier: Path, rows) -> Path:
+    return tiny.write_prepared(path, rows, verifier=verifier)
+
+
+def _shard_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("rows_*.safetensors"))}
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_states_equal_transformers_bit_for_bit(make_tiny, tmp_path, name):
+    """fp32 on CPU, one row per forward: the aux states are transformers' output_hidden_states[i] bit for bit,
+    the last state is the last decoder layer's output (pre-norm), whose norm is transformers' last entry."""
+    t = make_tiny(name)
+    rows = _rows(4, seed=len(name))
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    m = extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp32", batch_tokens=1,
+                shard_tokens=50)  # fmt: skip
+    assert m["layer_ids"] == [2, 4, 5] and m["last_hidden_normed"] is False and m["dtype"] == "fp32"
+    assert m["format"] == "eyas-features/1" and m["hidden_size"] == tiny.HIDDEN and m["num_rows"] == 4
+    assert m["inputs"]["verifier"]["num_hidden_layers"] == tiny.LAYERS  # the verifier's identity
+    shards = m["outputs"]["shards"]
+    assert len(shards) > 1 and [s["rows"] for s in shards][0][0] == 0 and shards[-1]["rows"][1] == 4
+    assert all(len(s["sha256"]) == 64 for s in shards)
+    ref = t.reference()
+    pre_norm = {}
+    ref.model.layers[-1].register_forward_hook(
+        lambda mod, args, out: pre_norm.__setitem__("h", out[0] if isinstance(out, tuple) else out)
+    )
+    reader = FeatureReader(tmp_path / "f")
+    for i, (ids, mask) in enumerate(rows):
+        with torch.no_grad():
+            hs = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        row = reader[i]
+        assert torch.equal(row.input_ids, torch.tensor(ids)) and row.loss_mask.tolist() == [bool(x) for x in mask]
+        assert torch.equal(row.aux_hidden_states, torch.cat([hs[k][0] for k in (2, 4, 5)], dim=-1))
+        assert torch.equal(row.last_hidden_state, pre_norm["h"][0])
+        assert torch.equal(ref.model.norm(row.last_hidden_state[None]), hs[-1])
+
+
+def test_batched_equals_one_row_at_a_time(make_tiny, tmp_path, monkeypatch):
+    """Length-sorted, right-padded batches give every row the states it gets alone (up to float summation
+    order), and what sits in the padding never reaches a stored row (bit for bit)."""
+    t = make_tiny("llama")
+    rows = _rows(9, seed=3, lo=2, hi=30)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", shard_tokens=60)
+    extract(**common, out=str(tmp_path / "one"), batch_tokens=1)
+    extract(**common, out=str(tmp_path / "batched"), batch_tokens=90)
+    monkeypatch.setattr(extract_mod, "PAD_ID", 17)
+    extract(**common, out=str(tmp_path / "other_pad"), batch_tokens=90)
+    assert _shard_bytes(tmp_path / "batched") == _shard_bytes(tmp_path / "other_pad")
+    one, batched = FeatureReader(tmp_path / "one"), FeatureReader(tmp_path / "batched")
+    for i in range(len(rows)):
+        a, b = one.states(i), batched.states(i)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    # the plan really batched rows of different lengths together
+    lengths = torch.tensor([len(r[0]) for r in rows]).numpy()
+    assert any(len(b) > 1 and len({lengths[i] for i in b}) > 1 for b in plan_batches(lengths[:5], 90))
+
+
+def test_plans():
+    import numpy as np
+
+    lengths = np.array([5, 0, 7, 3, 9, 2])
+    assert plan_shards(lengths, 10) == [(0, 3), (3, 5), (5, 6)]
+    assert plan_shards(np.array([], dtype=np.int64), 10) == [(0, 0)]
+    batches = plan_batches(lengths, 18)
+    assert batches == [[4, 2], [0, 3, 5]]  # longest first; the empty row 1 runs nowhere
+    assert plan_batches(lengths, 1) == [[4], [2], [0], [3], [5]]
+
+
+def _cli_extract(t, prep: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eyas.cli", "extract", "--verifier", str(t.path), "--data", str(prep),
+            "--out", str(out), "--dtype", "fp32", "--shard-tokens", "1", "--batch-tokens", "16", *extra]  # fmt: skip
+
+
+def test_kill_9_then_rerun_is_byte_identical(make_tiny, tmp_path):
+    t = make_tiny("llama")
+    rows = _rows(120, seed=5, lo=2, hi=12)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    ref = extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "ref"), dtype="fp32", shard_tokens=1,
+                  batch_tokens=16)  # fmt: skip
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cli_extract(t, prep, out), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    progress = out / ".progress-rank0.json"
+    kill_after = random.randint(1, 30)  # shards; then a random moment inside the next one
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if progress.is_file() and len(json.loads(progress.read_text())["shards"]) >= kill_after:
+            break
+        time.sleep(0.005)
+    time.sleep(random.uniform(0, 0.02))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    assert not (out / "manifest.json").exists(), "the run finished before the kill; nothing was tested"
+    finished = json.loads(progress.read_text())["shards"]
+    assert 0 < len(finished) < 120
+    stamps = {name: (out / name).stat().st_ino for name in finished}
+    r = subprocess.run(_cli_extract(t, prep, out), env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {name: (out / name).stat().st_ino for name in finished} == stamps  # finished shards were kept
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "ref")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["outputs"]["shards"] == ref["outputs"]["shards"]
+    assert not list(out.glob(".progress-*")) and not list(out.glob(".*.tmp-*")) and not (out / ".eyas.lock").exists()
+    assert verify(out)["shards"] == 120
+
+
+def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
+    t = make_tiny("llama")
+    prep = _prepared(tmp_path / "prep", t.path, _rows(6, seed=7))
+    out = tmp_path / "f"
+    m = extract(verifier=str(t.path), data=str(prep), out=str(out), dtype="bf16", shard_tokens=30)
+    names = [s["file"] for s in m["outputs"]["shards"]]
+    assert len(names) >= 3
+    assert cli_main(["extract", "--verify", str(out)]) == 0
+    assert "ok" in capsys.readouterr().out
+    data = bytearray((out / names[1]).read_bytes())
+    data[-3] ^= 0xFF
+    (out / names[1]).write_bytes(bytes(data))
+    (out / names[2]).unlink()
+    with pytest.raises(EyasError) as e:
+        verify(out)
+    assert f"{names[1]}: sha256" in str(e.value) and f"{names[2]}: missing" in str(e.value)
+    assert names[0] not in str(e.value)
+    assert cli_main(["extract", "--verify", str(out)]) == 2
+    assert names[2] in capsys.readouterr().err
+
+
+def test_rerun_skips_and_reader_dtypes(make_tiny, tmp_path, capsys):
+    t = make_tiny("qwen3")
+    rows = _rows(5, seed=11)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    args = dict(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), shard_tokens=40)
+    m = extract(**args)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()}
+    capsys.readouterr()
+    assert extract(**args)["outputs"] == m["outputs"]
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()} == before
+    reader = FeatureReader(tmp_path / "f", dtype=torch.bfloat16)
+    assert reader.lengths.tolist() == [len(r[0]) for r in rows]
+    row = reader[3]
+    assert row.aux_hidden_states.dtype == torch.bfloat16 and row.aux_hidden_states.shape == (len(rows[3][0]), 3 * 64)
+    assert row.last_hidden_state.shape == (len(rows[3][0]), 64) and row.input_ids.dtype == torch.int64
+    with pytest.raises(EyasError, match="other inputs or settings"):
+        extract(**{**args, "layers": [1, 3, 6]})
+
+
+def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
+    t = make_tiny("llama")
+    rows = _rows(6, seed=13, lo=10, hi=40)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    made = {d: extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / d), dtype=d, batch_tokens=64)
+            for d in ("fp32", "bf16", "fp8")}  # fmt: skip
+    bpt = {d: m["outputs"]["bytes_per_token"] for d, m in made.items()}
+    assert bpt["fp8"] < 0.55 * bpt["bf16"] < 0.3 * bpt["fp32"]
+    exact, bf16, fp8 = (FeatureReader(tmp_path / d) for d in ("fp32", "bf16", "fp8"))
+    for i in range(len(rows)):
+        x = exact.states(i)  # [T, 4, H]
+        _, _, q, scale = fp8.raw(i)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (4,)
+        assert torch.equal(scale, x.abs().amax(dim=(0, 2)) / 448)  # one scale per (row, layer): amax / 448
+        rel = (fp8.states(i) - x).norm(dim=-1) / x.norm(dim=-1)  # [T, 4]
+        assert rel.max() < 0.08 and rel.median() < 0.04  # e4m3 keeps 3 mantissa bits
+        torch.testing.assert_close(bf16.states(i), x, rtol=2**-8, atol=1e-6)
+
+
+def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys):
+    t = tiny.llama_int4(tmp_path / "int4")
+    cfg = json.loads((t.path / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert cli_main(["inspect", str(t.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == "compressed-tensors"
+    rows = _rows(3, seed=17)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp32", batch_tokens=1)
+    reader, ref = FeatureReader(tmp_path / "f"), t.reference()
+    for i, (ids, _) in enumerate(rows):
+        with torch.no_grad():
+            hs = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(reader[i].aux_hidden_states, torch.cat([hs[k][0] for k in (2, 4, 5)], -1),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_speculators_offline_layout(make_tiny, tmp_path):
+    """What speculators 0.9.0's ArrowDataset reads (train/data.py): a saved dataset with input_ids/loss_mask/
+    seq_len in torch format, and hidden_states/hs_{i}.safetensors with hidden_states [T, 4, H] + token_ids."""
+    import datasets
+    from safetensors.torch import load_file
+
+    t = make_tiny("llama")
+    rows = _rows(4, seed=19)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp8",
+            speculators_out=str(tmp_path / "spec"))  # fmt: skip
+    ds = datasets.load_from_disk(str(tmp_path / "spec"))
+    reader = FeatureReader(tmp_path / "f")
+    assert len(ds) == 4
+    for i, (ids, mask) in enumerate(rows):
+        hs = load_file(str(tmp_path / "spec" / "hidden_states" / f"hs_{i}.safetensors"))
+        assert set(hs) == {"hidden_states", "token_ids"} and hs["hidden_states"].shape == (len(ids), 4, tiny.HIDDEN)
+        assert hs["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(hs["token_ids"], ds[i]["input_ids"])  # speculators' own consistency check
+        assert ds[i]["loss_mask"].tolist() == mask and int(ds[i]["seq_len"]) == len(ids)
+        torch.testing.assert_close(hs["hidden_states"].float(), reader.states(i), rtol=2**-8, atol=1e-6)
+
+
+def test_refusals(make_tiny, tmp_path, monkeypatch):
+    llama, qwen = make_tiny("llama"), make_tiny("qwen3")
+    prep = _prepared(tmp_path / "prep", llama.path, _rows(3, seed=23))
+    with pytest.raises(EyasError, match="another verifier"):
+        extract(verifier=str(qwen.path), data=str(prep), out=str(tmp_path / "a"))
+    for bad in ([0, 2, 4], [2, 2, 4], [2, 4, 8], [2, 4]):
+        with pytest.raises(EyasError, match="layer"):
+            extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "b"), layers=bad)
+    with pytest.raises(EyasError, match="--verifier"):
+        extract(data=str(prep), out=str(tmp_path / "c"))
+    lock = tmp_path / "d" / ".eyas.lock"
+    lock.parent.mkdir()
+    lock.write_text(str(os.getppid()))  # a live process holds the directory
+    with pytest.raises(EyasError, match="another eyas process"):
+        extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "d"))
+    import shutil
+
+    from eyas import manifest
+
+    monkeypatch.setattr(manifest.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
+    with pytest.raises(EyasError, match="needs about"):
+        extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "e"))
+    assert not list((tmp_path / "e").glob("rows_*"))
+    assert shard_name(0, 12) == "rows_000000000-000000012.safetensors"
+
+
+SPECULATORS_READS = """
+import sys, torch
+from speculators.train.data import ArrowDataset
+from eyas.features import FeatureReader
+ds = ArrowDataset(max_len=64, datapath=sys.argv[1], on_missing="raise", hidden_states_dtype=torch.bfloat16)
+reader = FeatureReader(sys.argv[2])
+assert len(ds) == len(reader)
+for i in range(len(ds)):
+    item, row = ds._get_raw_data(i), reader[i]
+    assert torch.equal(item["input_ids"], row.input_ids)
+    assert torch.equal(item["loss_mask"].bool(), row.loss_mask)
+    assert torch.equal(item["hidden_states"], row.aux_hidden_states.to(torch.bfloat16))
+    assert torch.equal(item["verifier_last_hidden_states"], row.last_hidden_state.to(torch.bfloat16))
+print("ok", len(ds))
+"""
+
+
+def test_speculators_own_dataset_reads_the_layout(make_tiny, tmp_path_factory, tmp_path):
+    """speculators 0.9.0's ArrowDataset (installed beside our torch with --no-deps) reads what we write."""
+    site = tmp_path_factory.mktemp("speculators_site")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+           "speculators==0.9.0", "hs-connectors==0.9.0", "openai", "sniffio"]  # fmt: skip
+    r = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"could not install speculators==0.9.0 from PyPI here: {r.stderr.strip()[-300:]}")
+    t = make_tiny("llama")
+    prep = _prepared(tmp_path / "prep", t.path, _rows(5, seed=29))
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="bf16",
+            speculators_out=str(tmp_path / "spec"))  # fmt: skip
+    env = _env()
+    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(site)
+    r = subprocess.run([sys.executable, "-c", SPECULATORS_READS, str(tmp_path / "spec"), str(tmp_path / "f")],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.startswith("ok 5"), r.stderr[-3000:]
