@@ -599,6 +599,7 @@ class Trainer:
         self.meter = Meter(o.ttt_steps, device)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
         self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.saved_step = -1
         self.rates: list[tuple[int, float]] = []
         self.timings: list[dict[str, float]] = []
         self.last_train: dict[str, Any] | None = None
@@ -608,8 +609,8 @@ class Trainer:
 
     def _parallelize(self, objective: nn.Module, mode: str) -> tuple[nn.Module, float]:
         """DDP averages gradients over ranks, so the loss (already a share of the global sum) is scaled by the
-        world size; FSDP2 is told to sum (divide factor 1), which is also what it does on gloo either way
-        (pytorch #162338)."""
+        world size. FSDP2 is told to sum (divide factor 1, SUM-only collectives): its default averages on NCCL but
+        not on gloo (pytorch #162338), and its divide-factor path uses PREMUL_SUM, which gloo lacks."""
         if not self.d.active:
             return objective, 1.0
         if mode == "ddp":
@@ -624,9 +625,12 @@ class Trainer:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
             if self.cuda else MixedPrecisionPolicy()  # fmt: skip
         ignored = {objective.draft.embed_tokens.weight}  # frozen and used by lookup only: replicated, never gathered
-        fully_shard(objective.draft.layers[0], mp_policy=mp)
+        # One FSDP unit: the layer runs once per TTT step, and a separately sharded module called several times in
+        # one forward would be reduce-scattered after its first backward. Weights, gradients and optimizer state
+        # are still sharded; only the forward holds the whole (single-layer) draft.
         fully_shard(objective, mp_policy=mp, ignored_params=ignored)
         objective.set_gradient_divide_factor(1.0)
+        objective.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM (and NCCL is zero-copy)
         return objective, 1.0
 
     @contextlib.contextmanager
@@ -727,8 +731,14 @@ class Trainer:
         ``keep_checkpoints`` are removed."""
         from eyas.manifest import atomic_path
 
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+        if self.d.active:
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        self._check({"finite": bool(finite)})
         msd, osd = self._state()
         if not self.d.is_main:
+            self.saved_step = self.global_step
             self.d.barrier("checkpoint")
             return
         state = {
@@ -742,6 +752,7 @@ class Trainer:
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else torch.zeros(0, dtype=torch.uint8),
         }
+        self.saved_step = self.global_step
         path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
         with atomic_path(path, is_dir=True) as tmp:
             save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
@@ -773,6 +784,7 @@ class Trainer:
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        self.saved_step = self.global_step
         torch.set_rng_state(state["rng"])
         if self.cuda and state["cuda_rng"].numel():
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -845,6 +857,8 @@ class Trainer:
                                     **flat_metrics(self.last_val)})  # fmt: skip
                     self.epoch, self.step_in_epoch = self.epoch + 1, 0
                     self.save()
+            if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch
+                self.save()
         finally:
             log.close()
         return self._result()
@@ -1016,13 +1030,13 @@ def _train(d, **a: Any) -> dict[str, Any]:
         from eyas.features import read_features_manifest
 
         fm = read_features_manifest(a["data"])
+        if int(fm["hidden_size"]) != info.hidden_size:
+            raise EyasError(f"the features in {a['data']} have hidden size {fm['hidden_size']} but {info.path} has "
+                            f"{info.hidden_size}")  # fmt: skip
         if fm.get("inputs", {}).get("verifier") != fp:
             raise EyasError(f"the features in {a['data']} were extracted from another verifier "
                             f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
                             "came from, or run `eyas extract` with this one")  # fmt: skip
-        if int(fm["hidden_size"]) != info.hidden_size:
-            raise EyasError(f"the features in {a['data']} have hidden size {fm['hidden_size']} but {info.path} has "
-                            f"{info.hidden_size}")  # fmt: skip
         layer_ids = list(fm["layer_ids"])
         if a["layers"] is not None and sorted(a["layers"]) != layer_ids:
             raise EyasError(f"--layers {a['layers']} differs from the layers the features hold ({layer_ids}); "
