@@ -27,6 +27,9 @@ from eyas.errors import EyasError
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
+    "prepare": ("eyas.data:prepare", "tokenize conversations with the verifier's chat template and mask the "
+                "assistant's tokens", (), {}),
+    "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
     "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
                 "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
     "train": ("eyas.train:train", "train the EAGLE-3 draft with training-time test, offline or --online "

