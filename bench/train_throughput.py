@@ -12,6 +12,7 @@ logits and full-vocab argmax are not counted) against a measured bf16 peak (790 
     attention per TTT step, x3: 4 * heads*hd * (causal pairs per token (T+1)/2 + k diagonal keys)
 
     python bench/train_throughput.py --preset llama8b --steps 50            # on the GPU
+    torchrun --nproc-per-node 2 bench/train_throughput.py --preset llama8b  # DDP scaling; add --dist fsdp for FSDP2
     python bench/train_throughput.py --smoke                                # on CPU: proves it runs
 """
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--full-vocab-accuracy", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--dist", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--profile-every", type=int, default=20)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "eyas-bench")
@@ -64,13 +66,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     from eyas.train import train
 
+    import os
+
     batch = a.batch_tokens or a.seq_len
-    rows = a.steps * batch // a.seq_len + 2  # one epoch is longer than the run: no validation, no epoch checkpoint
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # one epoch is longer than the run: no validation, no epoch checkpoint inside the measurement
+    rows = a.steps * batch * world // a.seq_len + 2
     t0 = time.perf_counter()
-    inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)
+    if rank == 0:
+        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)
+    else:  # under torchrun rank 0 writes the inputs; the others wait for them
+        while not (a.workdir / a.preset / f"features-{rows}x{a.seq_len}" / ".complete").is_file():
+            time.sleep(1)
+        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)
     prep_s = time.perf_counter() - t0
     d = inp["dims"]
-    out = a.workdir / a.preset / f"eyas-{a.optimizer}-{a.layout}-{a.seq_len}x{batch}-{int(time.time())}"
+    out = a.workdir / a.preset / f"eyas-{a.optimizer}-{a.layout}-{a.seq_len}x{batch}-w{world}-{os.environ.get('TORCHELASTIC_RUN_ID', int(time.time()))}"
     layout = a.layout == "speculators"
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -79,22 +90,25 @@ def main(argv: list[str] | None = None) -> dict:
                 epochs=1, max_steps=a.steps, max_seq_len=a.seq_len, batch_tokens=batch, ttt_steps=a.ttt_steps,
                 val_ratio=0.0, num_workers=a.num_workers, log_every=a.log_every, save_every=0,
                 profile_every=a.profile_every, optimizer=a.optimizer, full_vocab_accuracy=a.full_vocab_accuracy,
-                compile=a.compile, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
+                compile=a.compile, dist=a.dist, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
     wall = time.perf_counter() - t0
     flops = draft_flops_per_token(d, steps=a.ttt_steps, seq_len=a.seq_len)
     tps = res["tokens_per_s"]
     result = {
-        "bench": "eyas-train", "preset": a.preset, "dims": d.__dict__, "seq_len": a.seq_len, "tokens_per_step": batch,
+        "bench": "eyas-train", "preset": a.preset, "dims": d.__dict__, "seq_len": a.seq_len, "world_size": world,
+        "dist": a.dist if world > 1 else None,
+        "tokens_per_step": batch * world,
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
         "full_vocab_accuracy": a.full_vocab_accuracy, "steps": res["steps"], "tokens_per_s": round(tps, 1),
-        "step_ms": round(1e3 * batch / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
+        "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
         "peak_memory_gib": round(res["peak_memory_bytes"] / 2**30, 2) if "peak_memory_bytes" in res else None,
         "draft_gflop_per_token": round(flops / 1e9, 3), "tflops": round(tps * flops / 1e12, 1),
-        "mfu_vs_790": round(tps * flops / PEAK_BF16, 4), "wall_s": round(wall, 1), "inputs_s": round(prep_s, 1),
+        "mfu_vs_790": round(tps * flops / (PEAK_BF16 * world), 4), "wall_s": round(wall, 1), "inputs_s": round(prep_s, 1),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
     }  # fmt: skip
-    print(json.dumps(result))
+    if rank == 0:
+        print(json.dumps(result))
     return result
 
 

@@ -19,6 +19,7 @@ def demo(*, out: str = "runs/demo") -> None:
     """
     from eyas.cli import inspect
     from eyas.data import prepare
+    from eyas.train import train
     from eyas.verifier import DEMO_VERIFIER
     from eyas.vocab import vocab
 
@@ -30,4 +31,9 @@ def demo(*, out: str = "runs/demo") -> None:
     prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
     vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
-    print("\nThe demo stops here for now: the feature, training and evaluation stages are not built yet.")
+    print("\n== train (online: SmolLM2 computes the features per batch): 12 steps of 256 tokens, a CPU-sized taste;\n"
+          "   a real draft trains for epochs on a GPU (see README)")
+    train(verifier=DEMO_VERIFIER, data=str(root / "data"), vocab=str(root / "vocab"), out=str(root / "draft"),
+          online=True, epochs=1, max_steps=12, max_seq_len=256, lr=1e-3, warmup_steps=2, val_ratio=0.02,
+          log_every=4, num_workers=0)  # fmt: skip
+    print("\nThe demo stops here for now: the evaluation and export stages are not built yet.")

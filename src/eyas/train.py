@@ -170,6 +170,12 @@ def load_vocab(path: str | os.PathLike | None, *, vocab_size: int) -> tuple[torc
         m = read_json(p / "manifest.json", what="vocab manifest")
         if m.get("stage") != "vocab":
             raise EyasError(f"{p / 'manifest.json'} was written by `eyas {m.get('stage')}`, not `eyas vocab`")
+        if m.get("vocab_size", vocab_size) != vocab_size:
+            raise EyasError(f"{p} was made for a target vocab of {m['vocab_size']} tokens but the verifier's has "
+                            f"{vocab_size}: the vocab mapping was made for another tokenizer")  # fmt: skip
+        if m.get("draft_vocab_size", len(d2t)) != len(d2t):
+            raise EyasError(f"{p}: d2t.npy has {len(d2t)} entries but its manifest says draft_vocab_size "
+                            f"{m['draft_vocab_size']}; run `eyas vocab` again")  # fmt: skip
     if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
         raise EyasError(f"{p / 't2d.npy'} covers {t2d.shape[0] if t2d.ndim == 1 else t2d.shape} target tokens but the "
                         f"verifier's vocab has {vocab_size}: the vocab mapping was made for another tokenizer; "
@@ -455,7 +461,11 @@ class RunLog:
 
 def plot_curves(out: Path, steps: int) -> None:
     """``training_curves.png``: loss and accuracy per TTT step over training (lines) and validation (dots)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a dependency of eyas, but a bare GPU box running from source may lack it
+        print(f"matplotlib is not installed: no {PLOT} (the metrics are in {METRICS})")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
