@@ -16,7 +16,8 @@ import torch
 
 import tiny
 from eyas.errors import EyasError
-from eyas.train import STATE_FILE, checkpoint_dirs, pack_rows, plan_epoch, row_counts, train
+from eyas.batches import pack_rows, plan_epoch, row_counts
+from eyas.train import STATE_FILE, checkpoint_dirs, train
 
 COMMON = dict(max_seq_len=64, num_workers=0, log_every=2, warmup_steps=2)
 
