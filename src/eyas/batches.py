@@ -51,8 +51,13 @@ class FeatureRows:
         return len(self.lengths)
 
     def row(self, i: int) -> Row:
-        r = self.reader[i]
-        return Row(r.input_ids, r.loss_mask.bool(), r.aux_hidden_states, r.last_hidden_state)
+        from eyas.features import fp8_decode
+
+        ids, mask, hs, scale = self.reader.raw(i)  # one read of the states (indexing the reader reads them twice)
+        dtype = self.reader.dtype
+        hs = hs.to(dtype) if scale is None else fp8_decode(hs, scale[None, :, None], dtype)  # [T, 4, H]
+        T, _, H = hs.shape
+        return Row(ids.to(torch.int64), mask.bool(), hs[:, :3].reshape(T, 3 * H), hs[:, 3])
 
     def masks(self) -> tuple[np.ndarray, np.ndarray]:
         """Every row's loss mask, flat, with row offsets (read shard by shard, states untouched)."""
