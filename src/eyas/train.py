@@ -567,6 +567,11 @@ class Trainer:
         log.record(rec)
         self.last_train = m
 
+    def _validate(self, log: RunLog) -> None:
+        self.last_val = self.validate()
+        if self.last_val is not None:
+            log.record({"split": "val", "step": self.global_step, "epoch": self.epoch, **flat_metrics(self.last_val)})
+
     def run(self) -> dict[str, Any]:
         o = self.o
         resumed = self.resume()
@@ -601,13 +606,11 @@ class Trainer:
                         log.advance()
                 del it
                 if self.step_in_epoch == len(steps):
-                    self.last_val = self.validate()
-                    if self.last_val is not None:
-                        log.record({"split": "val", "step": self.global_step, "epoch": self.epoch,
-                                    **flat_metrics(self.last_val)})  # fmt: skip
+                    self._validate(log)
                     self.epoch, self.step_in_epoch = self.epoch + 1, 0
                     self.save()
-            if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch
+            if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch: validate and save once more
+                self._validate(log)
                 self.save()
         finally:
             log.close()
