@@ -303,6 +303,8 @@ class _Timer:
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.device, self.enabled = device, enabled
         self.ms: dict[str, float] = {}
+        if enabled and device.type == "cuda":
+            torch.cuda.synchronize(device)  # start with an idle device: the previous step's tail is not "data"
         self._t = time.perf_counter()
 
     def mark(self, name: str) -> None:
