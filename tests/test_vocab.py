@@ -3,6 +3,9 @@ speculators file layout, and the coverage report, against an independent Counter
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -112,3 +115,36 @@ def test_selection_matches_the_reference(tokens, n):
     counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=48)
     got = select_draft_vocab(counts, n)
     assert got.tolist() == reference(Counter(tokens), n)
+
+
+SPECULATORS_VOCAB = """
+import sys, numpy as np, torch, datasets
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution, save_token_frequency_distribution
+rows, v, out, *sizes = sys.argv[1:]
+save_token_frequency_distribution(datasets.load_from_disk(rows).with_format("torch"), out + "/freq.pt")
+for n in sizes:
+    d2t, t2d = build_vocab_mappings_from_distribution(torch.load(out + "/freq.pt", weights_only=True), int(n), int(v))
+    np.save(f"{out}/d2t-{n}.npy", d2t.numpy())
+    np.save(f"{out}/t2d-{n}.npy", t2d.numpy())
+"""
+
+
+def test_same_files_as_speculators_own_builder(make_tiny, tmp_path, speculators_dir):
+    """speculators 0.9.0 counts the masked tokens of the same prepared rows with its own code
+    (``train/vocab_mapping.py``) and builds d2t/t2d: the files are identical, dtype included."""
+    rng = np.random.default_rng(0)
+    rows = [((rng.zipf(1.3, size=n) % tiny.VOCAB).tolist(), rng.integers(0, 2, size=n).tolist())
+            for n in rng.integers(5, 80, 40)]  # fmt: skip
+    prepared = tiny.write_prepared(tmp_path / "rows", rows, verifier=make_tiny("llama").path)
+    env = {**os.environ, "PYTHONPATH": str(speculators_dir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    sizes = (40, 300)  # fewer and more than the distinct masked tokens: padding is exercised
+    cmd = [sys.executable, "-c", SPECULATORS_VOCAB, str(prepared / "rows"), str(tiny.VOCAB), str(tmp_path),
+           *map(str, sizes)]  # fmt: skip
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for n in sizes:
+        vocab(data=str(prepared), out=str(tmp_path / f"ours{n}"), draft_vocab_size=n)
+        for name in ("d2t", "t2d"):
+            theirs = np.load(tmp_path / f"{name}-{n}.npy", allow_pickle=False)
+            ours = np.load(tmp_path / f"ours{n}" / f"{name}.npy", allow_pickle=False)
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), (n, name)

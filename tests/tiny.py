@@ -184,20 +184,32 @@ raise RuntimeError("eyas imported checkpoint code from " + __file__)
 """
 
 
-def kimi_like(path: Path, *, seed: int = 5, shards: int = 3) -> Tiny:
+def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False) -> Tiny:
     """A Kimi-K2.5-like wrapper: unknown top-level model_type, a deepseek_v3 ``text_config``, weights under
     ``language_model.model.*`` / ``language_model.lm_head.*`` beside a vision tower, split over shards with
-    an index, and an ``auto_map`` naming modules whose import fails (and leaves a sentinel)."""
+    an index, and an ``auto_map`` naming modules whose import fails (and leaves a sentinel).
+
+    With ``int4``, laid out as Kimi-K2.5's int4 release: every routed expert's ``gate/up/down_proj`` is
+    compressed-tensors ``pack-quantized`` int4 (group 32; ``weight_packed``, ``weight_scale``, ``weight_shape``
+    per expert), everything else stays dense, and ``text_config.quantization_config`` carries Kimi's ignore
+    list. The reference then holds the dequantized experts, loaded by transformers from a dense copy."""
     import tempfile
 
     from transformers import DeepseekV3ForCausalLM
 
     cfg = _deepseek_config()
     model = _build(cfg, DeepseekV3ForCausalLM, seed)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         on_disk = load_file(str(Path(tmp) / "model.safetensors"))
         text_cfg = json.loads((Path(tmp) / "config.json").read_text())
+        if int4:
+            on_disk, dense = _pack_routed_experts(on_disk)
+            save_file(dense, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+            ref = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # fuses experts its own way
+            sd = {k: v.clone() for k, v in ref.state_dict().items()}
+            text_cfg["quantization_config"] = KIMI_INT4_QUANTIZATION
     weights = {f"language_model.{k}": v for k, v in on_disk.items()}
     g = torch.Generator().manual_seed(seed)
     weights["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=g)
@@ -232,7 +244,6 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3) -> Tiny:
     for mod in ("configuration_kimi_k25.py", "modeling_kimi_k25.py"):
         (path / mod).write_text(_REMOTE_MODULE.format(sentinel=REMOTE_SENTINEL))
     make_tokenizer().save_pretrained(path)
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
     return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
 
 
@@ -290,30 +301,35 @@ def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verif
 
 
 #: The weight quantization of Kimi-K2.5's int4 release (compressed-tensors ``pack-quantized``: symmetric int4,
-#: one scale per group of 32 input columns), applied here to every Linear but the head.
+#: one scale per group of 32 input columns).
 INT4_GROUP = 32
+_INT4_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+                 "dynamic": False, "observer": "minmax"}  # fmt: skip
+#: Kimi-K2.5 int4's ``quantization_config`` (inside ``text_config``): only routed experts are int4; attention,
+#: shared experts, the dense first MLP and the head stay in bf16.
+KIMI_INT4_QUANTIZATION = {
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": _INT4_WEIGHTS}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}  # fmt: skip
 
 
-def llama_int4(path: Path, *, seed: int = 7) -> Tiny:
-    """A Llama whose Linear weights are compressed-tensors int4 (``pack-quantized``, group size 32), built and
-    packed with the ``compressed-tensors`` package itself. The returned reference model holds the *dequantized*
-    weights, computed here independently (``round(w / s)`` clamped to [-8, 7], times ``s``)."""
-    from compressed_tensors.compressors import ModelCompressor
+def _int4_quantize(model: torch.nn.Module, ignore: list[str]) -> dict[str, torch.Tensor]:
+    """Attach int4 group-32 quantization to ``model``'s Linears (compressed-tensors), set each scale from the
+    weights, and return the dequantized weights, computed here: ``clamp(round(w / s), -8, 7) * s``."""
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**_common())
-    model = _build(cfg, LlamaForCausalLM, seed)
     qcfg = QuantizationConfig.model_validate({
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                                  "group_size": INT4_GROUP, "dynamic": False, "observer": "minmax"}}},
-        "format": "pack-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
-        "quantization_status": "initialized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _INT4_WEIGHTS}},
+        "format": "pack-quantized", "ignore": ignore, "quantization_status": "initialized",
     })  # fmt: skip
     apply_quantization_config(model, qcfg, show_progress=False)
-    sd = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith(("_scale", "_zero_point"))}
+    dequantized = {}
     for name, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
@@ -323,9 +339,48 @@ def llama_int4(path: Path, *, seed: int = 7) -> Tiny:
         scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
         module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
         s = module.weight_scale.data.float()[..., None]
-        sd[name + ".weight"] = (torch.clamp(torch.round(groups / s), -8, 7) * s).reshape(w.shape)
+        dequantized[name + ".weight"] = (torch.clamp(torch.round(groups / s), -8, 7) * s).reshape(w.shape)
+    return dequantized
+
+
+def _compress(model: torch.nn.Module):
+    from compressed_tensors.compressors import ModelCompressor
+
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
+    return compressor
+
+
+def _pack_routed_experts(on_disk: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Replace every routed expert weight (``...mlp.experts.N.{gate,up,down}_proj.weight``) by its packed int4
+    tensors; also return the checkpoint with those weights dequantized instead (for the reference)."""
+    import re
+
+    packed, dense = dict(on_disk), dict(on_disk)
+    for key, w in on_disk.items():
+        if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
+            continue
+        holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
+        holder[0].weight.data.copy_(w)
+        dense[key] = _int4_quantize(holder, ignore=[])["0.weight"]
+        _compress(holder)
+        del packed[key]
+        base = key.removesuffix("weight")
+        packed.update({base + k: v.clone() for k, v in holder[0].state_dict().items()})
+    return packed, dense
+
+
+def llama_int4(path: Path, *, seed: int = 7) -> Tiny:
+    """A Llama whose Linear weights (all but the head) are compressed-tensors int4 (``pack-quantized``, group
+    size 32), quantized and packed with the ``compressed-tensors`` package itself. The returned reference model
+    holds the *dequantized* weights, computed independently of the package's decompression."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**_common())
+    model = _build(cfg, LlamaForCausalLM, seed)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd.update(_int4_quantize(model, ignore=["lm_head"]))
+    compressor = _compress(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     compressor.update_config(str(path))

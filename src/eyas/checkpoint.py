@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,12 +37,12 @@ WEIGHTS = "model.safetensors"
 LAYOUT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_architectures: list[str],
-                speculative_tokens: int, dtype: str = "bfloat16") -> dict[str, Any]:  # fmt: skip
-    """The speculators ``eagle3`` config.json for a draft."""
+def llama_layer_config(cfg: DraftConfig) -> dict[str, Any]:
+    """The draft's decoder layer as a transformers ``LlamaConfig`` dict (speculators' ``transformer_layer_config``,
+    and the body of the EAGLE/SGLang config)."""
     rope = dict(cfg.rope_parameters)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    layer = {
+    return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": cfg.hidden_size,
@@ -64,10 +64,15 @@ def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_archit
         "rope_theta": rope.get("rope_theta", 10000.0),
         "rope_scaling": legacy_scaling if legacy_scaling.get("rope_type", "default") != "default" else None,
     }
+
+
+def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_architectures: list[str],
+                speculative_tokens: int, dtype: str = "bfloat16") -> dict[str, Any]:  # fmt: skip
+    """The speculators ``eagle3`` config.json for a draft."""
     out: dict[str, Any] = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer,
+        "transformer_layer_config": llama_layer_config(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
@@ -147,16 +152,27 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
         raise EyasError(f"{where}: {e}") from e
 
 
-def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_or_path: str,
-               verifier_architectures: list[str], speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
-               include_embeddings: bool = False) -> Path:  # fmt: skip
-    """Write ``config.json`` and ``model.safetensors`` atomically (weights first: a dir with a config is whole)."""
+def write_checkpoint(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    """Write ``model.safetensors`` then ``config.json``, each atomically (a dir with a config is whole).
+
+    Byte-stable: the same tensors and config give the same bytes (keys sorted, one metadata key).
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    cfg = model.config
+    with atomic_path(out / WEIGHTS) as tmp:
+        # One metadata key only: safetensors writes metadata in hash-map order, which would break byte-stable saves.
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_bytes(out / CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    return out
+
+
+def save_tensors(out_dir: str | os.PathLike, cfg: DraftConfig, state_dict: dict[str, torch.Tensor], *,
+                 verifier_name_or_path: str, verifier_architectures: list[str], speculative_tokens: int,
+                 dtype: torch.dtype = torch.bfloat16, include_embeddings: bool = False) -> Path:  # fmt: skip
+    """Write a draft given as state-dict tensors (the module's names) in the native format."""
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in state_dict.items():
         if name.startswith("rotary_emb."):
             continue
         if name == "embed_tokens.weight" and not include_embeddings:
@@ -164,14 +180,19 @@ def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_
         if name in ("d2t", "t2d") and cfg.draft_vocab_size == cfg.vocab_size:
             continue
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
-    with atomic_path(out / WEIGHTS) as tmp:
-        # One metadata key only: safetensors writes metadata in hash-map order, which would break byte-stable saves.
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
     dname = str(dtype).removeprefix("torch.")
     conf = config_dict(cfg, verifier_name_or_path=verifier_name_or_path, verifier_architectures=verifier_architectures,
                        speculative_tokens=speculative_tokens, dtype=dname)  # fmt: skip
-    write_bytes(out / CONFIG, (json.dumps(conf, indent=2, sort_keys=True) + "\n").encode())
-    return out
+    return write_checkpoint(out_dir, tensors, conf)
+
+
+def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_or_path: str,
+               verifier_architectures: list[str], speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
+               include_embeddings: bool = False) -> Path:  # fmt: skip
+    """Write ``config.json`` and ``model.safetensors`` atomically (weights first: a dir with a config is whole)."""
+    return save_tensors(out_dir, model.config, model.state_dict(), verifier_name_or_path=verifier_name_or_path,
+                        verifier_architectures=verifier_architectures, speculative_tokens=speculative_tokens,
+                        dtype=dtype, include_embeddings=include_embeddings)  # fmt: skip
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -206,6 +227,44 @@ def read_draft_config(path: str | os.PathLike) -> tuple[DraftConfig, dict[str, A
     return draft_config_from_dict(raw, where=str(p)), raw
 
 
+def read_tensors(wpath: str | os.PathLike, cfg: DraftConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of a native-format ``model.safetensors``, each key and shape checked against ``cfg``.
+
+    Required: all but ``embed_tokens.weight`` (optional), and ``d2t``/``t2d`` when the draft vocab is the
+    whole verifier vocab. A checkpoint for another verifier or a damaged file fails with the key named.
+    """
+    from safetensors import safe_open
+
+    wpath = Path(wpath)
+    if not wpath.is_file():
+        raise EyasError(f"{wpath} not found: {wpath.parent} is not a finished draft checkpoint")
+    with safe_open(str(wpath), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    check_tensors(tensors, cfg, where=str(wpath))
+    return tensors
+
+
+def check_tensors(tensors: dict[str, Any], cfg: DraftConfig, *, where: str,
+                  file_key: Callable[[str], str] = str) -> None:  # fmt: skip
+    """Raise naming the key when a tensor (anything with a ``.shape``) is unexpected, misshapen, or missing.
+
+    ``file_key`` maps an eyas key to the name the file uses (``midlayer.*`` in the EAGLE layout), so the
+    message names what the user will find in the file.
+    """
+    shapes = expected_shapes(cfg)
+    for key in tensors:
+        if key not in shapes:
+            raise EyasError(f"{where}: unexpected tensor {file_key(key)!r} (not part of an eagle3 draft for this "
+                            "config)")  # fmt: skip
+        if tuple(tensors[key].shape) != shapes[key]:
+            raise EyasError(f"{where}: {file_key(key)!r} has shape {list(tensors[key].shape)}, the config implies "
+                            f"{list(shapes[key])}")  # fmt: skip
+    optional = {"embed_tokens.weight"} | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
+    missing = [file_key(k) for k in shapes if k not in tensors and k not in optional]
+    if missing:
+        raise EyasError(f"{where} lacks {missing}; a draft over a partial vocab needs d2t and t2d")
+
+
 def load_draft(path: str | os.PathLike, *, verifier: Any = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> Eagle3Draft:  # fmt: skip
     """Load a speculators-format draft; ``verifier`` (a path or VerifierInfo) supplies a missing embedding.
@@ -213,25 +272,9 @@ def load_draft(path: str | os.PathLike, *, verifier: Any = None, device: str | t
     Every tensor's presence and shape is checked against the config first, so a
     checkpoint for another verifier or a damaged file fails with the key named.
     """
-    from safetensors import safe_open
-
     cfg, _ = read_draft_config(path)
     wpath = Path(path) / WEIGHTS
-    if not wpath.is_file():
-        raise EyasError(f"{wpath} not found: {path} is not a finished draft checkpoint")
-    shapes = expected_shapes(cfg)
-    with safe_open(str(wpath), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    for key in tensors:
-        if key not in shapes:
-            raise EyasError(f"{wpath}: unexpected tensor {key!r} (not part of an eagle3 draft for this config)")
-        if tuple(tensors[key].shape) != shapes[key]:
-            raise EyasError(f"{wpath}: {key!r} has shape {list(tensors[key].shape)}, the config implies "
-                            f"{list(shapes[key])}")  # fmt: skip
-    optional = {"embed_tokens.weight"} | ({"d2t", "t2d"} if cfg.draft_vocab_size == cfg.vocab_size else set())
-    missing = [k for k in shapes if k not in tensors and k not in optional]
-    if missing:
-        raise EyasError(f"{wpath} lacks {missing}; a draft over a partial vocab needs d2t and t2d")
+    tensors = read_tensors(wpath, cfg)
     model = Eagle3Draft(cfg, attn_implementation=attn_implementation)  # type: ignore[arg-type]
     if "d2t" not in tensors:
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)

@@ -23,7 +23,8 @@ from typing import Any, Callable, Literal
 
 from eyas.errors import EyasError
 
-# name -> (module:function, one-line help, positional params, extra flag aliases)
+# name -> (module:function, one-line help, positional params, extra flag aliases). A positional param that
+# also has an aliases entry may be given either way (`eyas export SRC` or `eyas export --draft SRC`).
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
@@ -36,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
               "(resumable, torchrun-ready: DDP or FSDP2)", (),
               {"verifier": ("--verifier-path",), "data": ("--data-dir",), "out": ("--output-dir",),
                "vocab": ("--vocab-mapping-dir",)}),
+    "export": ("eyas.export:export", "write a draft in the vLLM (speculators) or SGLang (EAGLE) layout, or import "
+               "an EAGLE/SpecForge/speculators draft", ("draft",), {"draft": (), "from_format": ("--from",)}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
 }  # fmt: skip
 
@@ -149,10 +152,16 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
                 if param.default not in (None, "") and help_:
                     kwargs["help"] = f"{help_} (default: {param.default})"
         if name in positional:
-            if not required:
+            either = name in aliases  # positional or flag: both optional to argparse, one checked in main()
+            if either:
+                kwargs["default"] = argparse.SUPPRESS
+            if not required or either:
                 kwargs["nargs"] = "?"
             parser.add_argument(name, **{k: v for k, v in kwargs.items() if k != "required"})
-            continue
+            if not either:
+                continue
+            kwargs.pop("nargs")
+            required = False
         flag = "--" + ("json" if name == "json_out" else name.replace("_", "-"))
         names = [flag, *aliases.get(name, ())]
         if required and tp is not bool:
@@ -207,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_known_noise()
     fn = _load(COMMANDS[command][0])
     positional = COMMANDS[command][2]
-    pos_args = [args.pop(p) for p in positional]
+    missing = [p for p in positional if p not in args]
+    if missing:
+        parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
-        fn(*pos_args, **args)
+        fn(**args)  # positional on the command line, keywords in Python (stage functions are keyword-only)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)
         return 2

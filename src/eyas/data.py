@@ -6,8 +6,8 @@ exactly the tokens the assistant generates in each of its turns, the
 end-of-turn token included, and 0 on everything else (system prompt, user
 turns, the template's headers and the generation prompt).
 
-How a turn is found. The whole conversation is rendered once with the
-verifier's template (locally, with its tokenizer; no server). Assistant turn
+How a turn is found. The whole conversation is rendered with the verifier's
+template (locally, with its tokenizer; no server). Assistant turn
 ``i`` (message ``m``) starts where the rendering of ``messages[:m]`` with the
 generation prompt ends (that text must be a prefix of the full rendering,
 which holds for every template that renders a prompt the way it is later

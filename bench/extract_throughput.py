@@ -1,0 +1,201 @@
+"""`eyas extract` throughput against the bare verifier forward, measured in the same process on the same batches.
+
+Goal (issue 4): extraction at >= 0.9x the tokens/s of the bare forward (`model.model` on the same
+length-sorted, right-padded batches, same dtype, no hooks, nothing kept). Both runs use one loaded model.
+
+    # on a GPU, SmolLM2-135M-Instruct's GGUF, synthetic ShareGPT-like rows:
+    PYTHONPATH=src python3 bench/extract_throughput.py --verifier /path/SmolLM2-135M-Instruct.Q4_1.gguf
+    # with real prepared rows, and features written to RAM instead of disk:
+    PYTHONPATH=src python3 bench/extract_throughput.py --verifier ... --data runs/demo/prepared --out /dev/shm/x
+    # anywhere (CPU, tiny random Llama), to check that the script works:
+    PYTHONPATH=src python3 bench/extract_throughput.py --smoke
+
+Runs, in order: warm-up, bare forward, capture only (forward + hooks + gather + device-to-host copy, nothing
+written), extract bf16, extract fp8, bare forward again. Prints one JSON line: tokens/s of each, the ratios
+against the mean of the two bare runs, bytes per token of bf16 and fp8 as written, and the write bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:
+    import eyas  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from eyas.extract import (SHARD_BYTES, Extractor, InMemoryRows, PreparedRows, _Capture, check_layer_ids, plan_batches,
+                          plan_shards)
+from eyas.features import bytes_per_token
+from eyas.verifier import build_text_model, resolve
+
+
+def synthetic_rows(n: int, vocab: int, *, median: int, max_len: int, seed: int = 0) -> InMemoryRows:
+    """ShareGPT-like rows: log-normal lengths (median ``median``, clipped to [16, max_len]), random ids, loss
+    mask on the second half."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(median), 0.8, n).astype(int), 16, max_len)
+    return InMemoryRows([(rng.integers(0, vocab, t), np.arange(t) >= t // 2) for t in lengths])
+
+
+def tiny_verifier(where: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(where)
+    return where
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batches(source, shards):
+    for s, e in shards:
+        rows = source.fetch(s, e)
+        for batch in plan_batches(np.array([len(i) for i, _ in rows]), EX.batch_tokens):
+            yield rows, batch
+
+
+@torch.inference_mode()
+def bare(source, shards, limit: int | None = None) -> float:
+    """tokens/s of the backbone alone on the same padded batches (ids built the same way)."""
+    tokens, t0 = 0, time.perf_counter()
+    for k, (rows, batch) in enumerate(batches(source, shards)):
+        if limit is not None and k >= limit:
+            break
+        EX.backbone(input_ids=EX.padded(rows, batch), use_cache=False)
+        tokens += sum(len(rows[r][0]) for r in batch)
+    sync(EX.device)
+    return tokens / (time.perf_counter() - t0)
+
+
+def capture_only(extractor: Extractor, source, shards) -> float:
+    cap = _Capture(extractor.backbone, extractor.layer_ids)
+    tokens, t0, pending = 0, time.perf_counter(), []
+    try:
+        for rows, batch in batches(source, shards):
+            pending.append(extractor._run_batch(cap, rows, batch))
+            tokens += sum(len(rows[r][0]) for r in batch)
+            if len(pending) > 8:  # let host buffers go, as the writer would
+                b = pending.pop(0)
+                b.ready is not None and b.ready.synchronize()
+        for b in pending:
+            b.ready is not None and b.ready.synchronize()
+    finally:
+        cap.remove()
+    return tokens / (time.perf_counter() - t0)
+
+
+def extract_run(extractor: Extractor, source, shards, out: Path) -> tuple[float, float]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tokens = int(source.lengths.sum())
+    t0 = time.perf_counter()
+    extractor.run(source, shards, out, progress=False)  # returns when every shard is written and fsynced
+    dt = time.perf_counter() - t0
+    nbytes = sum(p.stat().st_size for p in out.glob("rows_*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    return tokens / dt, nbytes / tokens
+
+
+def main() -> None:
+    global EX
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--verifier", default="smollm2", help="checkpoint dir, .gguf file, or 'smollm2'")
+    ap.add_argument("--data", help="prepared rows (`eyas prepare` output); default: synthetic rows")
+    ap.add_argument("--rows", type=int, default=4000, help="synthetic rows (default 4000, about 2.5M tokens)")
+    ap.add_argument("--median-len", type=int, default=450)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: eyas extract's (32768 on CUDA)")
+    ap.add_argument("--writer-threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="where shards are written (deleted after each run); default: a temp dir")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few rows: checks the script runs")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="eyas-bench-"))
+    try:
+        if args.smoke:
+            args.verifier, args.device, args.rows, args.median_len = str(tiny_verifier(tmp / "tiny")), "cpu", 48, 40
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        info = resolve(args.verifier)
+        if args.data:
+            from eyas.datasets import load_prepared
+
+            source = PreparedRows(load_prepared(args.data)[0], args.data)
+        else:
+            source = synthetic_rows(args.rows, info.vocab_size, median=args.median_len, max_len=args.max_len)
+        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+        t0 = time.perf_counter()
+        model = build_text_model(info, dtype=compute, device=device)
+        load_s = time.perf_counter() - t0
+        batch_tokens = args.batch_tokens or (32768 if device.type == "cuda" else 8192)
+        layer_ids = check_layer_ids(info.aux_layer_ids, info.num_hidden_layers)
+        make = lambda dtype: Extractor(model, layer_ids=layer_ids, dtype=dtype,  # noqa: E731
+                                       batch_tokens=batch_tokens, writer_threads=args.writer_threads)
+        EX = make("bf16")
+        shards = {d: plan_shards(source.lengths, SHARD_BYTES // bytes_per_token(info.hidden_size, d))
+                  for d in ("bf16", "fp8")}  # fmt: skip
+        out = Path(args.out) if args.out else tmp / "features"
+        bare(source, shards["bf16"], limit=3)  # warm-up: CUDA context, kernels, allocator
+        capture_only(EX, source, shards["bf16"][:1])
+        bare1 = bare(source, shards["bf16"])
+        cap = capture_only(EX, source, shards["bf16"])
+        bf16, bpt_bf16 = extract_run(EX, source, shards["bf16"], out)
+        fp8, bpt_fp8 = extract_run(make("fp8"), source, shards["fp8"], out)
+        bare2 = bare(source, shards["bf16"])
+        base = (bare1 + bare2) / 2
+        padded = sum(len(b) * source.lengths[s + b[0]] for s, e in shards["bf16"]
+                     for b in plan_batches(source.lengths[s:e], batch_tokens))  # fmt: skip
+        result = {
+            "bench": "extract_throughput",
+            "verifier": info.path,
+            "hidden_size": info.hidden_size,
+            "layers": layer_ids,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "compute_dtype": str(compute).removeprefix("torch."),
+            "rows": len(source.lengths),
+            "tokens": int(source.lengths.sum()),
+            "padding_fraction": round(1 - int(source.lengths.sum()) / int(padded), 4),
+            "batch_tokens": batch_tokens,
+            "writer_threads": EX.writer_threads,
+            "shards_bf16": len(shards["bf16"]),
+            "model_load_s": round(load_s, 1),
+            "bare_tokens_per_s": [round(bare1), round(bare2)],
+            "capture_only_tokens_per_s": round(cap),
+            "extract_bf16_tokens_per_s": round(bf16),
+            "extract_fp8_tokens_per_s": round(fp8),
+            "ratio_capture_only": round(cap / base, 3),
+            "ratio_bf16": round(bf16 / base, 3),
+            "ratio_fp8": round(fp8 / base, 3),
+            "bytes_per_token_bf16": round(bpt_bf16, 1),
+            "bytes_per_token_fp8": round(bpt_fp8, 1),
+            "write_GBps_bf16": round(bf16 * bpt_bf16 / 1e9, 2),
+            "write_GBps_fp8": round(fp8 * bpt_fp8 / 1e9, 2),
+            "out": str(out),
+            "torch": torch.__version__,
+            "smoke": args.smoke,
+        }
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+EX: Extractor
+
+if __name__ == "__main__":
+    main()

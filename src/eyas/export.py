@@ -1,0 +1,460 @@
+"""``eyas export``: ship a draft in the layout a serving engine loads, or bring a foreign draft in.
+
+One set of weights, two layouts:
+
+- ``speculators`` (native: what ``eyas train`` writes, see :mod:`eyas.checkpoint`). vLLM serves it as is
+  (``vllm/transformers_utils/configs/speculators/{base,algos}.py``); speculators 0.9 loads and fine-tunes it.
+- ``eagle``: the EAGLE-3 layout SGLang serves (``sglang/srt/models/llama_eagle3.py``), also written by
+  SpecForge and the EAGLE repo: a plain Llama ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]``,
+  ``draft_vocab_size`` and ``eagle_config``; weights under ``midlayer.*`` instead of ``layers.0.*``.
+
+Aux layer ids. eyas, vLLM and speculators write id ``i`` for the hidden state *entering* verifier layer ``i``
+(vLLM captures ``hidden_states + residual`` before layer ``i``: ``vllm/model_executor/models/llama.py``).
+SGLang captures ``id + 1`` for every id in ``eagle_config.eagle_aux_hidden_state_layer_ids`` ("we plus 1
+here because in sglang, for the ith layer, it takes the output of the (i-1)th layer as aux hidden state",
+``sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``), so the eagle layout stores ``i - 1`` and an
+import adds 1 back. SpecForge reads the same key with the same meaning.
+
+The other direction, ``--from eagle|speculators``, reads an EAGLE / SpecForge / SGLang checkpoint or one
+saved by speculators itself, checks it, and writes it in the requested layout, so drafts users already
+have can be evaluated or fine-tuned with eyas.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from eyas import __version__
+from eyas.checkpoint import (
+    CONFIG,
+    WEIGHTS,
+    check_tensors,
+    draft_config_from_dict,
+    llama_layer_config,
+    read_draft_config,
+    read_tensors,
+    save_tensors,
+    write_checkpoint,
+)
+from eyas.errors import EyasError
+from eyas.manifest import (
+    MANIFEST,
+    OutputLock,
+    human_bytes,
+    manifest_matches,
+    read_json,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from eyas.model import DraftConfig
+
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's EntryClass (sglang/srt/models/llama_eagle3.py)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # SpecForge / SGLang, and the EAGLE repo
+DEFAULT_SPECULATIVE_TOKENS = 3  # what speculators' Eagle3Converter writes for an EAGLE import
+
+
+@dataclass
+class Draft:
+    """A draft read from disk: its geometry, its tensors under eyas's names (``layers.0.*``), and what its
+    config says about the verifier and the number of speculative tokens (None where the layout has no say)."""
+
+    cfg: DraftConfig
+    tensors: dict[str, torch.Tensor]
+    verifier_name: str | None = None
+    verifier_architectures: list[str] = field(default_factory=list)
+    speculative_tokens: int | None = None
+
+
+def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "speculators",
+           from_format: Literal["speculators", "eagle"] | None = None, verifier: str | None = None,
+           verifier_name: str | None = None, speculative_tokens: int | None = None,
+           include_embeddings: bool = False,
+           dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16") -> dict[str, Any]:  # fmt: skip
+    """Write a draft in the layout vLLM (speculators) or SGLang (EAGLE) loads as is, or import one.
+
+    Every key and shape is checked against the config, the vocab maps against each other, and (with
+    --verifier) the draft against the verifier's vocab, hidden size and layer count. Writes are atomic; a
+    rerun with the same inputs is skipped; manifest.json records the conversion.
+
+    Args:
+        draft: the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).
+        out: the directory to write.
+        format: the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE).
+        from_format: read the draft as an 'eagle' checkpoint (EAGLE, SpecForge, SGLang: midlayer.* or
+            layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves it);
+            default: the native layout, which is speculators'.
+        verifier: the verifier checkpoint the draft is for: checked against the draft, and the source of the
+            default aux layers for an EAGLE draft whose config names none, and of the embedding for
+            --include-embeddings.
+        verifier_name: the verifier's hub id to record in speculators_config.verifier.name_or_path (`vllm serve
+            DRAFT` needs a hub id, not a local path); default: what the draft records, else --verifier.
+        speculative_tokens: tokens to draft per step, recorded for vLLM; default: what the draft records, else 3.
+        include_embeddings: also write embed_tokens.weight (vLLM and SGLang use the verifier's; speculators
+            0.9 needs it to fine-tune reliably, see docs/FORMATS.md).
+        dtype: the dtype of the floating-point weights written.
+    """
+    src, dst = Path(draft), Path(out)
+    if not src.is_dir():
+        raise EyasError(f"draft {src} is not a directory")
+    if dst.resolve() == src.resolve():
+        raise EyasError(f"--out {dst} is the draft itself; write the export to another directory")
+    if format not in ("speculators", "eagle"):
+        raise EyasError(f"unknown --format {format!r}: use 'speculators' (vLLM) or 'eagle' (SGLang)")
+    if from_format not in (None, "speculators", "eagle"):
+        raise EyasError(f"unknown --from {from_format!r}: use 'eagle' or 'speculators'")
+    if dtype not in DTYPES:
+        raise EyasError(f"unknown --dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    from eyas.verifier import fingerprint, resolve
+
+    info = resolve(verifier) if verifier else None
+    sources = _source_files(src, from_format)
+    inputs = {"draft": {p.name: sha256_file(p) for p in sources}, "verifier": fingerprint(info) if info else None}
+    settings = {"format": format, "from_format": from_format or "native", "verifier_name": verifier_name,
+                "speculative_tokens": speculative_tokens, "include_embeddings": include_embeddings,
+                "dtype": dtype}  # fmt: skip
+    if manifest_matches(dst, stage="export", inputs=inputs, settings=settings) and (dst / CONFIG).is_file():
+        print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
+        return read_manifest(dst, stage="export")
+    with OutputLock(dst):
+        d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
+        where = str(src / CONFIG)
+        if info is not None:
+            check_verifier(d.cfg, info, where=where)
+        _normalise_vocab_maps(d, where=str(sources[0]))
+        tensors = _embeddings(d, info, include=include_embeddings)
+        torch_dtype = DTYPES[dtype]
+        if format == "eagle":
+            _check_sglang_servable(d.cfg, info, where=where)
+        else:
+            name = verifier_name or d.verifier_name or (info.path if info else None)
+            if not name:
+                raise EyasError(f"{where} does not name its verifier; pass --verifier PATH or --verifier-name ORG/NAME")
+            arch = d.verifier_architectures or (_verifier_architectures(info) if info else [])
+            tokens = int(speculative_tokens or d.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+        for stale in (MANIFEST, CONFIG):  # checks passed: a re-export interrupted from here must not look finished
+            (dst / stale).unlink(missing_ok=True)
+        if format == "eagle":
+            write_checkpoint(dst, eagle_tensors(d.cfg, tensors, dtype=torch_dtype),
+                             eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
+        else:
+            save_tensors(dst, d.cfg, tensors, verifier_name_or_path=str(name), verifier_architectures=arch,
+                         speculative_tokens=tokens, dtype=torch_dtype,
+                         include_embeddings=include_embeddings)  # fmt: skip
+        outputs = _describe(dst, d.cfg, format=format)
+        manifest = write_manifest(dst, stage="export", inputs=inputs, settings=settings, outputs=outputs,
+                                  source=str(src.resolve()))  # fmt: skip
+    _print_summary(dst, outputs, verifier=verifier_name or d.verifier_name or (info.path if info else "VERIFIER"))
+    recorded = manifest["outputs"].get("verifier_name_or_path")
+    if recorded and Path(recorded).exists():
+        print(f"  note: the recorded verifier {recorded} is a local path; `vllm serve {dst}` needs a hub id "
+              "(--verifier-name ORG/NAME), the command above works as is")  # fmt: skip
+    return manifest
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _source_files(src: Path, from_format: str | None) -> list[Path]:
+    """The files a draft consists of (weights first), or a clear error naming what is missing."""
+    config = src / CONFIG
+    if not config.is_file():
+        raise EyasError(f"{config} not found: {src} is not a draft checkpoint")
+    names = EAGLE_WEIGHT_FILES if from_format == "eagle" else (WEIGHTS,)
+    for name in names:
+        if (src / name).is_file():
+            return [src / name, config]
+    hint = " (sharded checkpoints are not supported)" if (src / f"{WEIGHTS}.index.json").is_file() else ""
+    raise EyasError(f"{src} has no {' or '.join(names)}{hint}")
+
+
+def read_native(path: str | Path, *, tensors: bool = True) -> Draft:
+    """A draft in eyas's native layout, or as speculators saves it (its embed_tokens, flags, null target size).
+    ``tensors=False`` reads the config only."""
+    cfg, raw = read_draft_config(path)
+    weights = read_tensors(Path(path) / WEIGHTS, cfg) if tensors else {}
+    spec = raw.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    ver = spec.get("verifier") or {}
+    return Draft(cfg, weights, verifier_name=ver.get("name_or_path"),
+                 verifier_architectures=list(ver.get("architectures") or []),
+                 speculative_tokens=methods[0].get("speculative_tokens"))  # fmt: skip
+
+
+def _eagle_to_eyas_key(key: str) -> str:
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+def _eyas_to_eagle_key(key: str) -> str:
+    return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
+
+
+def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) -> Draft:
+    """An EAGLE-3 draft as the EAGLE repo, SpecForge or SGLang lay it out, read the way SGLang serves it.
+
+    Config: a Llama config dict; ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention
+    (plus one gives ours), else the verifier's defaults ``[2, L//2, L-3]`` (SGLang's default capture, no
+    shift: ``sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``). Weights: ``midlayer.*`` or
+    ``layers.0.*``. The residual is always the raw hidden state (``norm_before_residual`` false), as in
+    SGLang's ``llama_eagle3.py`` decoder layer and EAGLE's ``cnets.py``. ``tensors=False`` reads the config only.
+    """
+    src = Path(path)
+    where = str(src / CONFIG)
+    c = read_json(src / CONFIG, what="EAGLE draft config")
+    if not isinstance(c, dict):
+        raise EyasError(f"{where} is not a JSON object")
+    if "speculators_config" in c or "speculators_model_type" in c:
+        raise EyasError(f"{where} is a speculators checkpoint, not an EAGLE one: use --from speculators")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in c:
+            raise EyasError(f"{where}: {key} is missing")
+    if c.get("fc_norm") or c.get("use_aux_norm"):
+        raise EyasError(f"{where}: fc_norm (a norm per aux state) is not supported by eyas")
+    if c.get("bias"):
+        raise EyasError(f"{where}: bias=true (an fc bias) is not supported by eyas")
+    eagle = c.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise EyasError(f"{where}: eagle_config is not an object")
+    sglang_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if sglang_ids:
+        aux = [int(i) + 1 for i in sglang_ids]
+    elif verifier is not None:
+        aux = list(verifier.aux_layer_ids)
+    else:
+        raise EyasError(f"{where} has no eagle_config.eagle_aux_hidden_state_layer_ids; pass --verifier so eyas "
+                        "uses the verifier's default aux layers [2, L//2, L-3], as SGLang does")  # fmt: skip
+    # SGLang reads no layer_types (its draft window is a server flag), so neither do we.
+    layer = {k: v for k, v in c.items() if k not in ("layer_types", "use_sliding_window")}
+    layer["model_type"] = c.get("model_type") or "llama"
+    spec_like = {
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.get("draft_vocab_size") or c["vocab_size"],
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "target_hidden_size": c.get("target_hidden_size"),
+        "norm_before_residual": False,
+        "norm_before_fc": bool(eagle.get("norm_before_fc", c.get("norm_before_fc", False))),
+        "norm_output": bool(c.get("norm_output", False)),
+    }
+    cfg = draft_config_from_dict(spec_like, where=where)
+    if not tensors:
+        return Draft(cfg, {})
+    weights = _source_files(src, "eagle")[0]
+    return Draft(cfg, check_eagle_tensors(_load_weights(weights), cfg, where=str(weights)))
+
+
+def check_eagle_tensors(tensors: dict[str, Any], cfg: DraftConfig, *, where: str) -> dict[str, Any]:
+    """EAGLE-named tensors (or anything with a ``.shape``) under eyas's names, each key and shape checked."""
+    renamed = {_eagle_to_eyas_key(k): v for k, v in tensors.items()}
+    if len(renamed) != len(tensors):
+        raise EyasError(f"{where}: holds both midlayer.* and layers.0.* copies of the same tensor")
+    file_names = {_eagle_to_eyas_key(k): k for k in tensors}
+    check_tensors(renamed, cfg, where=where, file_key=lambda k: file_names.get(k, _eyas_to_eagle_key(k)))
+    return renamed
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors from safetensors, or from a ``.bin`` with ``torch.load(weights_only=True)`` (no pickled code)."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as e:
+            raise EyasError(f"{path} is not a readable safetensors file ({e})") from e
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (any unpickling failure is the same bad file to the user)
+        raise EyasError(f"{path} is not a readable PyTorch weights file ({e})") from e
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise EyasError(f"{path} does not hold a flat dict of tensors")
+    return sd
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_verifier(cfg: DraftConfig, info: Any, *, where: str) -> None:
+    """A draft made for another verifier fails here, naming the key that disagrees."""
+    if cfg.vocab_size != info.vocab_size:
+        raise EyasError(f"{where}: vocab_size {cfg.vocab_size} (the rows of t2d and embed_tokens) does not match "
+                        f"the verifier {info.path}, whose vocab is {info.vocab_size}: this draft was made for "
+                        "another verifier")  # fmt: skip
+    target_hidden = cfg.target_hidden_size or cfg.hidden_size
+    if target_hidden != info.hidden_size:
+        raise EyasError(f"{where}: fc.weight reads aux states of hidden size {target_hidden} (hidden_size/"
+                        f"target_hidden_size) but the verifier {info.path} has hidden size {info.hidden_size}: "
+                        "this draft was made for another verifier")  # fmt: skip
+    if max(cfg.aux_layer_ids) > info.num_hidden_layers:
+        raise EyasError(f"{where}: eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} name layers beyond the "
+                        f"{info.num_hidden_layers} of the verifier {info.path}")  # fmt: skip
+
+
+def _normalise_vocab_maps(d: Draft, *, where: str) -> None:
+    """``d2t`` as int64 offsets and ``t2d`` as bool, and the two consistent with each other.
+
+    vLLM and SGLang read only ``d2t`` (target id = draft id + d2t) and speculators only ``t2d`` (the verifier
+    rows its targets use, in ascending order), so a pair that disagrees would train and serve different
+    tokens: the draft ids must map to strictly ascending target ids, exactly the ids ``t2d`` marks.
+    """
+    if "d2t" not in d.tensors:
+        return
+    cfg = d.cfg
+    d2t, t2d = d.tensors["d2t"], d.tensors["t2d"]
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise EyasError(f"{where}: d2t has dtype {d2t.dtype}; it must hold integer offsets")
+    if t2d.is_floating_point() or not bool(((t2d == 0) | (t2d == 1)).all()):
+        raise EyasError(f"{where}: t2d must be a boolean mask over the verifier vocab")
+    d2t, t2d = d2t.to(torch.long), t2d.to(torch.bool)
+    target = torch.arange(cfg.draft_vocab_size) + d2t
+    if int(target.min()) < 0 or int(target.max()) >= cfg.vocab_size:
+        raise EyasError(f"{where}: d2t maps draft ids outside the verifier vocab of {cfg.vocab_size}")
+    if bool((target[1:] <= target[:-1]).any()):
+        raise EyasError(f"{where}: d2t does not map draft ids to strictly ascending target ids")
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[target].all()):
+        raise EyasError(f"{where}: d2t and t2d disagree (t2d marks {int(t2d.sum())} ids, d2t maps "
+                        f"{cfg.draft_vocab_size} draft ids to other ones)")  # fmt: skip
+    d.tensors["d2t"], d.tensors["t2d"] = d2t, t2d
+
+
+def _embeddings(d: Draft, info: Any, *, include: bool) -> dict[str, torch.Tensor]:
+    """The tensors to write: embed_tokens only when asked for, from the draft or else the verifier."""
+    tensors = {k: v for k, v in d.tensors.items() if k != "embed_tokens.weight"}
+    if not include:
+        return tensors
+    if "embed_tokens.weight" in d.tensors:
+        tensors["embed_tokens.weight"] = d.tensors["embed_tokens.weight"]
+    elif info is not None:
+        from eyas.verifier import load_head_tensors
+
+        tensors["embed_tokens.weight"] = load_head_tensors(info).embed
+    else:
+        raise EyasError("--include-embeddings: the draft has no embed_tokens.weight; pass --verifier to copy the "
+                        "verifier's")  # fmt: skip
+    return tensors
+
+
+def _check_sglang_servable(cfg: DraftConfig, info: Any, *, where: str) -> None:
+    """Refuse what SGLang would load but run with other numerics than the draft was trained with."""
+    if cfg.norm_before_residual:
+        # sglang/srt/models/llama_eagle3.py, LlamaDecoderLayer.forward: the input layer always sets
+        # residual = hidden_states before hidden_norm; no norm_before_residual exists in sglang.
+        raise EyasError(f"{where}: norm_before_residual=true, but SGLang always takes the residual from the "
+                        "un-normed hidden state (sglang/srt/models/llama_eagle3.py), so it would serve this draft "
+                        "with other numerics. Serve it with vLLM (--format speculators), or train with "
+                        "norm_before_residual=false for SGLang")  # fmt: skip
+    if info is not None and max(cfg.aux_layer_ids) >= info.num_hidden_layers:
+        # sglang/srt/models/llama.py: captures happen at the start of layers 0..L-1 (:485-494), so id + 1 = L
+        # never fires and fc would get two aux states instead of three.
+        raise EyasError(f"{where}: aux layer {max(cfg.aux_layer_ids)} is the verifier's final hidden state, which "
+                        "SGLang never captures (it captures at the start of layers 0..L-1)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def eagle_config_dict(cfg: DraftConfig, *, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The EAGLE/SGLang config.json: a Llama config plus what ``sglang/srt/models/llama_eagle3.py`` reads."""
+    conf = llama_layer_config(cfg)
+    conf.update({
+        "architectures": [EAGLE_ARCHITECTURE],
+        "model_type": "llama",
+        "draft_vocab_size": cfg.draft_vocab_size,
+        # SGLang ties lm_head to embed_tokens when this is true (llama_eagle3.py, LlamaForCausalLMEagle3).
+        "tie_word_embeddings": False,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],  # SGLang adds one back
+            "use_aux_hidden_state": True,
+        },
+        "norm_before_residual": False,  # what SGLang runs; vLLM's EAGLE path reads it with default false
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": False,
+        "norm_output": cfg.norm_output,
+        "dtype": dtype,
+        "eyas_version": __version__,
+    })  # fmt: skip
+    if cfg.target_hidden_size and cfg.target_hidden_size != cfg.hidden_size:
+        conf["target_hidden_size"] = cfg.target_hidden_size  # SGLang's hasattr() check breaks on a null here
+    return conf
+
+
+def eagle_tensors(cfg: DraftConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors under EAGLE names (``midlayer.*``), floating ones cast to ``dtype``; ``d2t``/``t2d`` always
+    present (SpecForge's ``to_sglang`` export requires them; SGLang turns d2t into its hot-token ids)."""
+    tensors = dict(tensors)
+    if "d2t" not in tensors:  # a full-vocab draft: identity maps
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return {_eyas_to_eagle_key(k): (v.to(dtype) if v.is_floating_point() else v).contiguous()
+            for k, v in tensors.items()}  # fmt: skip
+
+
+def _verifier_architectures(info: Any) -> list[str]:
+    """The verifier's ``architectures`` (speculators' VerifierConfig records them), from its config.json or,
+    for a GGUF verifier, transformers' causal-LM class for its text model type."""
+    cfg_path = info.checkpoint_dir / CONFIG
+    if cfg_path.is_file():
+        arch = read_json(cfg_path, what="verifier config").get("architectures")
+        if arch:
+            return list(arch)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(info.text_model_type)
+    return [name] if name else []
+
+
+def _without_default_width(cfg: DraftConfig) -> DraftConfig:
+    """Both layouts omit a target hidden size equal to the draft's, so compare configs without it."""
+    width = None if cfg.target_hidden_size == cfg.hidden_size else cfg.target_hidden_size
+    return replace(cfg, target_hidden_size=width)
+
+
+def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
+    """What was written, after reading it back: the written files must parse to the same draft."""
+    from eyas.verifier import read_safetensors_header
+
+    header = read_safetensors_header(dst / WEIGHTS)  # names and shapes only: the data was just written
+    if format == "eagle":
+        back = Draft(read_eagle(dst, tensors=False).cfg, check_eagle_tensors(header, cfg, where=str(dst / WEIGHTS)))
+    else:
+        back = read_native(dst, tensors=False)
+        check_tensors(header, cfg, where=str(dst / WEIGHTS))
+    if _without_default_width(back.cfg) != _without_default_width(cfg):
+        raise EyasError(f"{dst}: the written checkpoint reads back as {back.cfg}, not {cfg}; please report this")
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in (dst / WEIGHTS, dst / CONFIG)}
+    return {
+        "format": format,
+        "serve_with": "vLLM" if format == "speculators" else "SGLang",
+        "files": files,
+        "aux_layer_ids": cfg.aux_layer_ids,  # id i = the state entering verifier layer i (vLLM, speculators)
+        "aux_layer_ids_sglang": [i - 1 for i in cfg.aux_layer_ids],
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "vocab_size": cfg.vocab_size,
+        "speculative_tokens": back.speculative_tokens,
+        "verifier_name_or_path": back.verifier_name,
+        "layout": {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+                   "norm_output": cfg.norm_output},  # fmt: skip
+    }
+
+
+def _print_summary(dst: Path, outputs: dict[str, Any], *, verifier: str) -> None:
+    size = human_bytes(sum(f["bytes"] for f in outputs["files"].values()))
+    aux = outputs["aux_layer_ids"]
+    if outputs["format"] == "eagle":
+        print(f"eyas export: {dst}: EAGLE-3 layout for SGLang ({size}); aux layers {aux} written as SGLang ids "
+              f"{outputs['aux_layer_ids_sglang']}; draft vocab {outputs['draft_vocab_size']} of "
+              f"{outputs['vocab_size']}")  # fmt: skip
+        print(f"  serve: python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+              f"--speculative-draft-model-path {dst}")  # fmt: skip
+    else:
+        print(f"eyas export: {dst}: speculators layout for vLLM ({size}); aux layers {aux}; draft vocab "
+              f"{outputs['draft_vocab_size']} of {outputs['vocab_size']}")  # fmt: skip
+        spec = {"model": str(dst), "method": "eagle3", "num_speculative_tokens": outputs["speculative_tokens"]}
+        print(f"  serve: vllm serve {verifier} --speculative-config '{json.dumps(spec)}'")
