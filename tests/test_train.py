@@ -144,6 +144,7 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     cfg, raw = read_draft_config(out)
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert cfg.draft_vocab_size == 256 and cfg.aux_layer_ids == [2, 4, 5] and raw["norm_before_residual"] is False
+    assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     draft = load_draft(out, verifier=inputs["verifier"])
     state = _final_state(out)
     for name, t in draft.state_dict().items():

@@ -46,7 +46,8 @@ def demo_train(*, root: Path) -> dict:
     print(f"\n== eyas train: a draft for SmolLM2 from {root / 'features'}, 16 steps of 512 tokens -> {root / 'draft'}")
     return train(verifier=DEMO_VERIFIER, data=str(root / "features"), vocab=str(root / "vocab"),
                  out=str(root / "draft"), epochs=1, max_steps=16, max_seq_len=512, lr=1e-3, warmup_steps=2,
-                 val_ratio=0.05, log_every=4, num_workers=0)  # fmt: skip
+                 val_ratio=0.05, log_every=4, num_workers=0,
+                 verifier_name="HuggingFaceTB/SmolLM2-135M-Instruct")  # fmt: skip
 
 
 def demo_extract(*, prepared: Path, out: Path) -> dict:

@@ -876,8 +876,13 @@ def _train(d, **a: Any) -> dict[str, Any]:
         if compiled:
             compile_draft(draft)
         verifier_model = build_text_model(info, dtype=compute_dtype, device=where) if a["online"] else None
-        archs = (read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []) \
-            if not info.gguf_file else []  # fmt: skip
+        archs = [] if info.gguf_file else \
+            read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
+        if not archs:  # a GGUF file has no config.json: name transformers' class for its model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
+                if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
         save_meta = {"verifier_name": a["verifier_name"] or info.path, "architectures": archs, "steps": steps}
         o = Options(epochs=a["epochs"], lr=a["lr"], max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
                     grad_accum=a["grad_accum"], ttt_steps=steps,
