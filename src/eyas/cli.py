@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
     "vocab": ("eyas.vocab:vocab", "choose the draft vocabulary from prepared rows (d2t.npy, t2d.npy)", (), {}),
     "extract": ("eyas.extract:extract", "store the verifier's aux and last hidden states for offline training "
                 "(resumable, torchrun-ready, --verify DIR checks a result)", (), {}),
+    "train": ("eyas.train:train", "train the EAGLE-3 draft with training-time test, offline or --online "
+              "(resumable, torchrun-ready: DDP or FSDP2)", (),
+              {"verifier": ("--verifier-path",), "data": ("--data-dir",), "out": ("--output-dir",),
+               "vocab": ("--vocab-mapping-dir",)}),
     "export": ("eyas.export:export", "write a draft in the vLLM (speculators) or SGLang (EAGLE) layout, or import "
                "an EAGLE/SpecForge/speculators draft", ("draft",), {"draft": (), "from_format": ("--from",)}),
     "eval": ("eyas.evaluate:evaluate", "measure a draft by real speculative decoding: tau, acceptance, lossless, speedup",
@@ -127,7 +131,7 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
     docs = _doc_args(fn)
     for name, param in _inspect.signature(fn).parameters.items():
         tp = _unwrap_optional(hints.get(name, str))
-        help_ = docs.get(name, "")
+        help_ = docs.get(name, "").replace("%", "%%")  # argparse %-formats help strings
         required = param.default is _inspect.Parameter.empty
         kwargs: dict[str, Any] = {"help": help_}
         if tp is bool:

@@ -261,9 +261,15 @@ class TTTContext:
                 causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
                 return torch.where(step == 0, causal, s == q_idx)
 
-            self._block_masks[k] = create_block_mask(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
+            # _compile builds the mask block by block in one fused kernel instead of materialising
+            # [B, T, (k+1)T] booleans (torch docs, "create_block_mask": "_compile ... for large masks").
+            self._block_masks[k] = create_block_mask(mask_mod, B, None, T, (k + 1) * T, device=docs.device,
+                                                     _compile=docs.device.type == "cuda")  # fmt: skip
         return self._block_masks[k]
 
+    # Runs outside any torch.compile graph: a compiled layer breaks here, and flex attention is compiled on its
+    # own (_flex_attention), so a context object never becomes a guard of a compiled graph.
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                position_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """q [B,h,T,d]; k/v [B,kv,T,d] of the current step; returns [B,h,T,d]. (Positions are implied by

@@ -32,11 +32,22 @@ def demo(*, out: str = "runs/demo") -> None:
     print("\n== vocab: the 8192 target tokens the assistant uses most")
     vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
     demo_extract(prepared=prepared, out=root / "features")
-    trained = (root / "draft" / "config.json").is_file()  # made by the training step (being written)
-    if trained:
-        ship(out=out)
-    # Until the training step is wired in, eval measures an untrained draft (tau near 1).
-    demo_eval(draft=str(root / "draft") if trained else "random", features=root / "features", out=root / "eval")
+    demo_train(root=root)
+    ship(out=out)
+    demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
+
+
+def demo_train(*, root: Path) -> dict:
+    """The demo's training step: a draft for SmolLM2 from the extracted features, a few steps only (a CPU-sized
+    taste: a real draft trains for epochs on a GPU), written as a speculators checkpoint to ``ROOT/draft``."""
+    from eyas.train import train
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas train: a draft for SmolLM2 from {root / 'features'}, 16 steps of 512 tokens -> {root / 'draft'}")
+    return train(verifier=DEMO_VERIFIER, data=str(root / "features"), vocab=str(root / "vocab"),
+                 out=str(root / "draft"), epochs=1, max_steps=16, max_seq_len=512, lr=1e-3, warmup_steps=2,
+                 val_ratio=0.05, log_every=4, num_workers=0,
+                 verifier_name="HuggingFaceTB/SmolLM2-135M-Instruct")  # fmt: skip
 
 
 def demo_extract(*, prepared: Path, out: Path) -> dict:
@@ -69,7 +80,7 @@ def demo_eval(*, draft: str, features: Path | None, out: Path) -> dict:
     from eyas.evaluate import evaluate
     from eyas.verifier import DEMO_VERIFIER
 
-    kind = "an untrained (random) draft: expect tau near 1" if draft == "random" else draft
+    kind = "an untrained (random) draft: expect tau near 1" if draft == "random" else f"the draft in {draft}"
     print(f"\n== eyas eval: speculative decoding on SmolLM2 with {kind}, 1 MT-Bench question (both turns) -> {out}")
     offline = str(features) if features is not None and (features / "manifest.json").is_file() else None
     return evaluate(verifier=DEMO_VERIFIER, draft=draft, prompts="mt-bench", num_prompts=1, max_new_tokens=32,

@@ -1,0 +1,249 @@
+"""The draft's training objective and the metrics that predict its acceptance length.
+
+Targets (DESIGN.md, "Final hidden state and targets"): the verifier's own final
+norm over its stored *pre-norm* last hidden state, then only the draft-vocab
+rows of its head, ``softmax(lm_head[d2t rows](norm(h_last)))``. The verifier's
+greedy token over the *full* vocab is kept too: a position whose true argmax is
+outside the draft vocab can never be accepted, so accuracy counts it as a miss.
+
+Index convention (vLLM's proposer, ``eyas.model``): TTT step ``k`` at index
+``t`` predicts token ``x_{t+2+k}``; its target is the verifier's distribution at
+index ``t+1+k``; it counts where ``loss_mask[t+2+k]`` is set and ``t+2+k`` lies in
+the same packed document as ``t``.
+
+The loss is the forward KL ``KL(p_verifier || q_draft)`` over the draft vocab
+(a soft cross-entropy: the verifier's entropy is a constant), summed over kept
+positions and divided by the number of loss-masked positions of the whole
+optimizer step across ranks (known before the step, so no rank waits on
+another), then summed over steps with per-step weights. It is computed by
+:func:`ttt_loss` in chunks of positions with the gradient formed in the forward
+pass (as Liger-Kernel's fused linear cross-entropy does), so the draft logits
+``[positions, draft_vocab]`` are never stored for backward: memory grows with
+the chunk, not with the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+#: Columns of the per-step statistics that :func:`ttt_loss` returns (sums over positions).
+STAT_COLUMNS = ("kl_sum", "kept", "valid", "correct", "cond_correct", "cond_total")
+
+
+@dataclass
+class Targets:
+    """The verifier's side of one batch, flattened over positions (``M`` = batch x sequence, padded by
+    ``pad`` rows at the end so that every step's shifted slice exists)."""
+
+    logits: torch.Tensor  # [M + pad, N] verifier logits over the draft vocab (compute dtype)
+    argmax: torch.Tensor  # [M + pad] long: the verifier's argmax inside the draft vocab (draft ids)
+    in_vocab: torch.Tensor  # [M + pad] bool: the verifier's full-vocab argmax is a draft-vocab token
+
+
+class TargetHead:
+    """The verifier's final norm and head rows, frozen, producing :class:`Targets` from pre-norm states.
+
+    ``rows`` are the head rows of the draft vocab in draft-id order (target ids
+    ascending, as ``d2t`` orders them); ``rest`` the other rows (ascending
+    target ids ``rest_ids``), used only to find whether the full-vocab argmax is
+    a draft token. Ties are broken as ``torch.argmax`` over the full vocab
+    would (the lowest target id wins), so the flag equals a full-vocab argmax
+    without materialising ``[M, V]`` logits.
+    """
+
+    def __init__(self, *, norm: nn.Module, rows: torch.Tensor, draft_target_ids: torch.Tensor,
+                 rest: torch.Tensor | None, rest_ids: torch.Tensor | None, chunk_tokens: int = 1024) -> None:  # fmt: skip
+        self.norm = norm
+        self.rows = rows
+        self.draft_target_ids = draft_target_ids
+        self.rest = rest
+        self.rest_ids = rest_ids
+        self.chunk_tokens = chunk_tokens
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor, *, pad: int) -> Targets:
+        """``last [M, H]`` pre-norm verifier states -> :class:`Targets` with ``pad`` zero rows appended."""
+        M, N = last.shape[0], self.rows.shape[0]
+        h = self.norm(last.to(self.rows.dtype)).to(self.rows.dtype)  # [M, H]
+        logits = torch.zeros(M + pad, N, dtype=self.rows.dtype, device=last.device)
+        torch.mm(h, self.rows.t(), out=logits[:M])  # [M, N]
+        dmax, darg = logits.max(dim=-1)  # first maximal index: the lowest target id among ties
+        in_vocab = torch.zeros(M + pad, dtype=torch.bool, device=last.device)
+        if self.rest is None:
+            in_vocab[:M] = True
+        else:
+            dtid = self.draft_target_ids[darg]
+            for a in range(0, M, self.chunk_tokens):
+                b = min(a + self.chunk_tokens, M)
+                rmax, rarg = (h[a:b] @ self.rest.t()).max(dim=-1)  # [C]
+                better = dmax[a:b] > rmax
+                tie_lower = (dmax[a:b] == rmax) & (dtid[a:b] < self.rest_ids[rarg])
+                in_vocab[a:b] = better | tie_lower
+        return Targets(logits=logits, argmax=darg, in_vocab=in_vocab)
+
+
+def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor):
+    """KL(p || q) per position and its gradient w.r.t. the draft logits, ``(q - p) * weight``, in fp32 (or the
+    logits' dtype when wider).
+
+    logits, target_logits [C, N]; weight [C]. Returns (grad [C, N] in the logits' dtype, kl [C], argmax [C]).
+    """
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logq = logits.to(acc).log_softmax(-1)
+    logp = target_logits.to(acc).log_softmax(-1)
+    p = logp.exp()
+    kl = (p * (logp - logq)).sum(-1)
+    grad = (logq.exp() - p) * weight[:, None]
+    return grad.to(logits.dtype), kl, logits.argmax(-1)
+
+
+_chunk_fns: dict[bool, object] = {}
+
+
+def _chunk_fn(compiled: bool):
+    """:func:`_soft_ce_chunk`, compiled once per process when asked (fuses the softmax passes on GPU)."""
+    if compiled not in _chunk_fns:
+        _chunk_fns[compiled] = torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
+    return _chunk_fns[compiled]
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` accumulated in ``acc``'s dtype: for bf16 inputs on CUDA one cuBLAS call with an fp32
+    output (``torch.addmm(..., out_dtype=)``), so no bf16-rounded partial gradient is ever formed."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
+class _FusedTTTLoss(torch.autograd.Function):
+    """Sum over steps and positions of ``weight * KL``, with the gradient computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, lm_head_weight, target_logits, weights, compute_dtype, chunk, compiled, grad, *normed):
+        need_w = grad and ctx.needs_input_grad[0]
+        need_h = grad and any(ctx.needs_input_grad[7:])
+        W = lm_head_weight.to(compute_dtype)  # [N, H]
+        acc = torch.promote_types(compute_dtype, torch.float32)
+        fn = _chunk_fn(compiled)
+        grad_w = torch.zeros(W.shape, dtype=acc, device=W.device) if need_w else None
+        grads_h, kls, argmaxes = [], [], []
+        for k, h in enumerate(normed):
+            M = h.shape[0]
+            kl = torch.empty(M, dtype=acc, device=h.device)
+            am = torch.empty(M, dtype=torch.long, device=h.device)
+            gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device) if need_h else None
+            for a in range(0, M, chunk):
+                b = min(a + chunk, M)
+                hc = h[a:b].to(compute_dtype)  # [C, H]
+                # step k at index t is scored against the verifier's distribution at index t+1+k
+                g, kl[a:b], am[a:b] = fn(hc @ W.t(), target_logits[a + 1 + k : b + 1 + k], weights[k, a:b])
+                if gh is not None:
+                    gh[a:b] = g @ W  # [C, H]
+                if grad_w is not None:
+                    _add_matmul(grad_w, g.t(), hc)  # [N, H]
+            grads_h.append(gh)
+            kls.append(kl)
+            argmaxes.append(am)
+        kl_all, am_all = torch.stack(kls), torch.stack(argmaxes)  # [S, M]
+        loss = (kl_all * weights).sum()
+        ctx.save_for_backward(*(g for g in grads_h if g is not None), *([grad_w] if grad_w is not None else []))
+        ctx.has = (need_h, need_w)
+        ctx.mark_non_differentiable(kl_all, am_all)
+        return loss, kl_all, am_all
+
+    @staticmethod
+    def backward(ctx, grad_loss, _kl, _am):
+        need_h, need_w = ctx.has
+        saved = list(ctx.saved_tensors)
+        grad_w = saved.pop() * grad_loss if need_w else None
+        n = len(ctx.needs_input_grad) - 7
+        grads_h = [g * grad_loss for g in saved] if need_h else [None] * n
+        return (grad_w, None, None, None, None, None, None, *grads_h)
+
+
+def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """``valid[k, b, t]``: step ``k`` at index ``t`` is scored (``loss_mask[t+2+k]`` and the same document).
+
+    loss_mask, doc_ids [B, T] -> [steps, B, T] bool.
+    """
+    B, T = loss_mask.shape
+    out = torch.zeros(steps, B, T, dtype=torch.bool, device=loss_mask.device)
+    for k in range(steps):
+        s = 2 + k
+        if s >= T:
+            break
+        out[k, :, : T - s] = loss_mask[:, s:] & (doc_ids[:, s:] == doc_ids[:, :-s]) & (doc_ids[:, :-s] >= 0)
+    return out
+
+
+def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targets: Targets, valid: torch.Tensor,
+             scale: torch.Tensor, *, drop_out_of_vocab: bool = False, compute_dtype: torch.dtype = torch.float32,
+             chunk_tokens: int = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The TTT loss of one micro-batch and its per-step statistics.
+
+    ``normed``: per step the draft's normed output ``[M, H]`` (flattened
+    positions); ``valid [S, M]`` from :func:`step_masks`; ``scale [S]`` the
+    per-step weight divided by the step's loss-masked count over the whole
+    optimizer step. With ``drop_out_of_vocab`` (EAGLE's choice) positions whose
+    full-vocab target is outside the draft vocab carry no loss; the
+    statistics still count them (as misses), so accuracy stays honest.
+
+    Returns ``(loss, stats [S, 6])``, the columns in :data:`STAT_COLUMNS` (sums).
+    """
+    S = len(normed)
+    in_vocab = torch.stack([targets.in_vocab[1 + k : 1 + k + valid.shape[1]] for k in range(S)])  # [S, M]
+    tgt = torch.stack([targets.argmax[1 + k : 1 + k + valid.shape[1]] for k in range(S)])  # [S, M]
+    kept = valid & in_vocab if drop_out_of_vocab else valid
+    weights = kept.float() * scale[:, None]  # [S, M]
+    # the gradient is formed in forward only when a backward can follow (not under no_grad, as in validation)
+    loss, kl, draft_argmax = _FusedTTTLoss.apply(lm_head_weight, targets.logits, weights, compute_dtype,
+                                                 chunk_tokens, compiled, torch.is_grad_enabled(), *normed)  # fmt: skip
+    correct = (draft_argmax == tgt) & in_vocab  # [S, M]
+    prev = torch.ones_like(correct[0])
+    rows = []
+    for k in range(S):
+        cond = valid[k] & prev
+        rows.append(torch.stack([(kl[k] * kept[k]).sum(), kept[k].sum(), valid[k].sum(), (correct[k] & valid[k]).sum(),
+                                 (correct[k] & cond).sum(), cond.sum()]).double())  # fmt: skip
+        prev = prev & correct[k]
+    return loss, torch.stack(rows)
+
+
+def implied_tau(cond_acc: Sequence[float]) -> float:
+    """The acceptance length the per-step conditional accuracies imply: ``1 + sum_k prod_{j<=k} cond_acc_j``.
+
+    Under greedy verification a draft of ``K`` tokens is accepted up to its
+    first miss, and the verifier adds one token of its own, so the expected
+    tokens per verification round is ``1 + sum_{k<K} P(tokens 0..k all
+    accepted)``; ``P(0..k) = prod_{j<=k} P(j | 0..j-1)``, which is what
+    conditional accuracy at step ``j`` measures under teacher forcing (when
+    steps before ``j`` were right, the teacher-forced inputs are exactly what
+    the draft would have fed itself). ``eyas eval`` uses this to predict tau
+    from a draft offline; a nan accuracy (no positions) ends the sum.
+    """
+    tau, run = 1.0, 1.0
+    for a in cond_acc:
+        if a is None or math.isnan(a):
+            break
+        run *= a
+        tau += run
+    return tau
+
+
+def summarize(stats: torch.Tensor) -> dict[str, float | list[float]]:
+    """Per-step ``loss``, ``acc``, ``cond_acc`` (lists) and ``tau`` from summed :func:`ttt_loss` statistics."""
+    s = stats.detach().double().cpu()
+    ratio = lambda a, b: [float(x / y) if y > 0 else float("nan") for x, y in zip(a, b)]  # noqa: E731
+    cols = {name: s[:, i] for i, name in enumerate(STAT_COLUMNS)}
+    loss = ratio(cols["kl_sum"], cols["kept"])
+    acc = ratio(cols["correct"], cols["valid"])
+    cond = ratio(cols["cond_correct"], cols["cond_total"])
+    return {"loss": loss, "acc": acc, "cond_acc": cond, "tau": implied_tau(cond), "positions": int(s[0, 2])}

@@ -1,0 +1,923 @@
+"""``eyas train``: train the EAGLE-3 draft with training-time test, offline (feature shards) or online (verifier
+in the loop), resumable, under ``torchrun`` with DDP or FSDP2.
+
+What it optimises is what inference runs: :meth:`eyas.model.Eagle3Draft.ttt`
+calls the same ``step`` function ``eyas eval`` drafts with, and the loss
+(:mod:`eyas.loss`) scores step ``k`` at index ``t`` against the verifier's
+distribution at ``t+1+k`` over the draft vocab.
+
+Data (:mod:`eyas.batches`). Rows are packed into sequences of at most ``--max-seq-len`` tokens with document
+ids (attention never crosses rows), ``--batch-tokens`` per micro-batch, ``--grad-accum`` micro-batches per rank
+and optimizer step; the loss is normalised by the loss-masked positions of the whole step over all ranks.
+
+Safety. Checkpoints (``checkpoints/step-N``: a loadable speculators checkpoint
+plus ``trainer_state.pt`` with the fp32 weights, optimizer state, RNG and data
+position) are written atomically every ``--save-every`` steps and at each
+epoch's end; a rerun of the same command resumes from the newest, and on CPU
+the result is bit-identical to an uninterrupted run. A non-finite loss or
+gradient stops the run before anything is saved from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
+from eyas.errors import EyasError
+from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
+
+STAGE = "train"
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+STATE_FORMAT = "eyas-train-state/1"
+METRICS = "metrics.jsonl"
+PLOT = "training_curves.png"
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its loss in one module, so DDP and FSDP2 see every use of ``lm_head`` inside ``forward``."""
+
+    def __init__(self, draft, *, steps: int, step_weights: list[float], drop_out_of_vocab: bool,
+                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = 1024) -> None:  # fmt: skip
+        super().__init__()
+        self.draft = draft
+        self.steps, self.drop, self.compute_dtype = steps, drop_out_of_vocab, compute_dtype
+        self.compiled, self.chunk_tokens = compiled, chunk_tokens
+        self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
+
+    def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
+                denom):  # fmt: skip
+        normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids)
+        valid = step_masks(loss_mask, doc_ids, self.steps).flatten(1)  # [S, B*T]
+        scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
+        targets = Targets(target_logits, target_argmax, in_vocab)
+        return ttt_loss([h.flatten(0, 1) for h in normed], self.draft.lm_head.weight, targets, valid, scale,
+                        drop_out_of_vocab=self.drop, compute_dtype=self.compute_dtype,
+                        chunk_tokens=self.chunk_tokens, compiled=self.compiled)  # fmt: skip
+
+
+def compile_draft(draft) -> None:
+    """Compile the draft layer's parts in place (state-dict keys unchanged). Attention breaks the graph
+    (:meth:`eyas.model.TTTContext.attend` runs eagerly around its own compiled flex kernel)."""
+    layer = draft.layers[0]
+    for m in (layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp,
+              draft.norm):  # fmt: skip
+        m.compile(dynamic=False)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+
+
+def lr_factor(step: int, *, total: int, warmup: int, schedule: str) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then ``cosine`` / ``linear`` decay to 0 at ``total``, or ``constant``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1.0 - frac
+
+
+def build_optimizers(model: nn.Module, *, name: str, lr: float, weight_decay: float, fused: bool) -> list:
+    """AdamW over every trainable parameter (no decay on norms), or speculators' default: Muon on the
+    2-D weights of the layer and fc, AdamW on the rest (norms, lm_head)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if p.ndim >= 2]
+    no_decay = [p for n, p in params if p.ndim < 2]
+    adamw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}))
+    if name == "adamw":
+        return [torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], **adamw)]  # fmt: skip
+    if not hasattr(torch.optim, "Muon"):
+        raise EyasError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
+    muon = [p for n, p in params if p.ndim == 2 and "lm_head" not in n]
+    rest = [p for n, p in params if not (p.ndim == 2 and "lm_head" not in n)]
+    # speculators 0.9's Muon defaults (train/config/schema.py): momentum 0.95, decay 0.1, lr adjusted to AdamW's RMS.
+    return [torch.optim.Muon(muon, lr=lr, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay},
+                               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}], **adamw)]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- metrics and logs
+
+
+class Meter:
+    """Device-side sums since the last log (no host sync in the hot loop); :meth:`collect` reduces over ranks."""
+
+    def __init__(self, steps: int, device: torch.device) -> None:
+        self.steps, self.device = steps, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = torch.zeros(self.steps, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, grad norm, non-finite count
+        self.n, self.tokens = 0, 0
+
+    def add(self, loss: torch.Tensor, stats: torch.Tensor) -> None:
+        self.stats += stats.double()
+        self.sums[0] += loss.detach().double()
+        self.sums[2] += (~torch.isfinite(loss.detach())).double()
+
+    def add_step(self, grad_norm: torch.Tensor | None, tokens: int) -> None:
+        if grad_norm is not None:
+            self.sums[1] += grad_norm.double()
+            self.sums[2] += (~torch.isfinite(grad_norm)).double()
+        self.n += 1
+        self.tokens += tokens
+
+    def collect(self, d) -> dict[str, Any]:
+        packed = torch.cat([self.stats.flatten(), self.sums])
+        if d.active:
+            torch.distributed.all_reduce(packed)
+        stats = packed[: self.stats.numel()].view_as(self.stats)
+        loss, gnorm, bad = packed[self.stats.numel() :].tolist()
+        out = summarize(stats)
+        out.update(loss_total=loss / max(self.n, 1), grad_norm=gnorm / max(self.n * d.world_size, 1),
+                   finite=bad == 0 and math.isfinite(loss), steps=self.n, tokens=self.tokens)  # fmt: skip
+        self.reset()
+        return out
+
+
+def flat_metrics(m: dict[str, Any]) -> dict[str, float]:
+    """``loss_k``/``acc_k``/``cond_acc_k`` keys for JSONL and TensorBoard."""
+    out = {"loss": m["loss_total"], "tau": m["tau"]} if "loss_total" in m else {"tau": m["tau"]}
+    for name in ("loss", "acc", "cond_acc"):
+        for k, v in enumerate(m[name]):
+            out[f"{name}_{k}"] = v
+    return out
+
+
+class RunLog:
+    """Rank 0's view: a tqdm bar (tokens/s, ETA), ``metrics.jsonl`` and TensorBoard. Other ranks get a silent one."""
+
+    def __init__(self, out: Path, *, enabled: bool, total: int, start: int) -> None:
+        self.enabled = enabled
+        self.path = out / METRICS
+        self.bar = self.tb = None
+        if not enabled:
+            return
+        from tqdm.auto import tqdm
+
+        if self.path.exists():  # drop records a killed run wrote after its last checkpoint
+            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)
+        self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, smoothing=0.05)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k not in ("step",) and math.isfinite(v):
+                self.tb.add_scalar(f"{rec['split']}/{k}", v, rec["step"])
+
+    def advance(self, postfix: dict[str, str] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_curves(out: Path, steps: int) -> None:
+    """``training_curves.png``: loss and accuracy per TTT step over training (lines) and validation (dots)."""
+    try:
+        import matplotlib
+    except ImportError:  # a dependency of eyas, but a bare GPU box running from source may lack it
+        print(f"matplotlib is not installed: no {PLOT} (the metrics are in {METRICS})")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eyas.manifest import atomic_path
+
+    recs = [json.loads(ln) for ln in (out / METRICS).read_text().splitlines() if ln]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in range(steps):
+        for split, style in (("train", "-"), ("val", "o")):
+            pts = [(r["step"], r[f"loss_{k}"], r[f"acc_{k}"]) for r in recs if r["split"] == split]
+            if pts:
+                x, loss, acc = zip(*pts)
+                axes[0].plot(x, loss, style, color=f"C{k}", label=f"{split} step {k}")
+                axes[1].plot(x, acc, style, color=f"C{k}", label=f"{split} step {k}")
+    for ax, title in zip(axes, ("KL(verifier || draft)", "accuracy (draft argmax == verifier full-vocab argmax)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(out / PLOT) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def print_summary(m: dict[str, Any], *, label: str) -> None:
+    print(f"\n{label}: per TTT step (k drafts token t+2+k)")
+    print(f"  {'k':>2}  {'loss':>8}  {'acc':>6}  {'cond acc':>8}")
+    for k, (loss, acc, cond) in enumerate(zip(m["loss"], m["acc"], m["cond_acc"])):
+        print(f"  {k:>2}  {loss:8.4f}  {acc:6.3f}  {cond:8.3f}")
+    print(f"  implied acceptance length tau = 1 + sum_k prod_(j<=k) cond_acc_j = {m['tau']:.3f}")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (a directory is finished once renamed into place)."""
+    root = out / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    return sorted(dirs, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def _draft_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("draft."): v for k, v in model_state.items() if k.startswith("draft.")}
+
+
+def save_output(path: Path, cfg, state: dict[str, torch.Tensor], *, verifier_name: str, architectures: list[str],
+                steps: int) -> None:  # fmt: skip
+    """A speculators-format checkpoint (config.json + bf16 model.safetensors) from a draft state dict."""
+    from eyas.checkpoint import save_draft
+    from eyas.model import Eagle3Draft
+
+    with torch.device("meta"):
+        skeleton = Eagle3Draft(cfg)
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    save_draft(path, skeleton, verifier_name_or_path=verifier_name, verifier_architectures=architectures,
+               speculative_tokens=steps)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class Options:
+    """Hyperparameters and run controls (the stage function's flags, resolved)."""
+
+    epochs: int
+    lr: float
+    max_seq_len: int
+    seqs_per_micro_batch: int
+    grad_accum: int
+    ttt_steps: int
+    step_weights: list[float]
+    warmup_steps: int | None
+    schedule: str
+    weight_decay: float
+    clip: float
+    seed: int
+    optimizer: str
+    drop_out_of_vocab: bool
+    num_workers: int
+    save_every: int
+    keep_checkpoints: int
+    log_every: int
+    max_steps: int | None
+    profile_every: int
+
+
+class _Timer:
+    """Step-phase timings with a device sync at each mark, only on profiled steps (a sync stalls the queue)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device, self.enabled = device, enabled
+        self.ms: dict[str, float] = {}
+        if enabled and device.type == "cuda":
+            torch.cuda.synchronize(device)  # start with an idle device: the previous step's tail is not "data"
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[name] = self.ms.get(name, 0.0) + (now - self._t) * 1e3
+        self._t = now
+
+
+class Trainer:
+    """Runs the epochs: one instance per process, every rank the same code (rank 0 also writes)."""
+
+    def __init__(self, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
+                 layer_ids: list[int], o: Options, out: Path, rows_train: np.ndarray, rows_val: np.ndarray,
+                 lengths: np.ndarray, counts: np.ndarray, dist_mode: str, compiled: bool, fingerprint: str,
+                 save_meta: dict[str, Any]) -> None:  # fmt: skip
+        self.d, self.device, self.cfg, self.o, self.out = d, device, cfg, o, out
+        self.head, self.source, self.verifier, self.layer_ids = head, source, verifier_model, layer_ids
+        self.lengths, self.fingerprint, self.save_meta = lengths, fingerprint, save_meta
+        self.cuda = device.type == "cuda"
+        self.compute_dtype = torch.bfloat16 if self.cuda else torch.float32
+        W, G = d.world_size, o.grad_accum
+        plan = dict(max_len=o.max_seq_len, seqs_per_micro_batch=o.seqs_per_micro_batch, seed=o.seed)
+        self.plans = [plan_epoch(rows_train, lengths, counts, epoch=e, shuffle=True, micro_batches_per_step=G * W,
+                                 **plan) for e in range(o.epochs)]  # fmt: skip
+        self.val_plan = plan_epoch(rows_val, lengths, counts, epoch=0, shuffle=False, micro_batches_per_step=W,
+                                   **plan) if len(rows_val) else []  # fmt: skip
+        self.total = sum(len(p) for p in self.plans)
+        if o.max_steps is not None:
+            self.total = min(self.total, o.max_steps)
+        self.warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.03 * self.total))
+        self.draft = draft
+        objective = TTTObjective(draft, steps=o.ttt_steps, step_weights=o.step_weights,
+                                 drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
+                                 compiled=compiled).to(device)  # fmt: skip
+        self.model, self.loss_factor = self._parallelize(objective, dist_mode)
+        self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
+                                           fused=self.cuda and dist_mode != "fsdp")  # fmt: skip
+        self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.meter = Meter(o.ttt_steps, device)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.saved_step = -1
+        self.rates: list[tuple[int, float]] = []
+        self.timings: list[dict[str, float]] = []
+        self.last_train: dict[str, Any] | None = None
+        self.last_val: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _parallelize(self, objective: nn.Module, mode: str) -> tuple[nn.Module, float]:
+        """DDP averages gradients over ranks, so the loss (already a share of the global sum) is scaled by the
+        world size. FSDP2 is told to sum (divide factor 1, SUM-only collectives): its default averages on NCCL but
+        not on gloo (pytorch #162338), and its divide-factor path uses PREMUL_SUM, which gloo lacks."""
+        if not self.d.active:
+            return objective, 1.0
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.cuda else None
+            return DDP(objective, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True), float(
+                self.d.world_size
+            )
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+            if self.cuda else MixedPrecisionPolicy()  # fmt: skip
+        ignored = {objective.draft.embed_tokens.weight}  # frozen and used by lookup only: replicated, never gathered
+        # One FSDP unit: the layer runs once per TTT step, and a separately sharded module called several times in
+        # one forward would be reduce-scattered after its first backward. Weights, gradients and optimizer state
+        # are still sharded; only the forward holds the whole (single-layer) draft.
+        fully_shard(objective, mp_policy=mp, ignored_params=ignored)
+        objective.set_gradient_divide_factor(1.0)
+        objective.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM (and NCCL is zero-copy)
+        return objective, 1.0
+
+    @contextlib.contextmanager
+    def _sync(self, sync: bool) -> Iterator[None]:
+        """Gradient sync only on a step's last micro-batch."""
+        if not self.d.active or sync:
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(True)
+            yield
+        elif hasattr(self.model, "no_sync"):
+            with self.model.no_sync():
+                yield
+        else:
+            self.model.set_requires_gradient_sync(False)
+            yield
+
+    def _loader(self, steps: list[Step], grad_accum: int):
+        ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.o.max_seq_len,
+                      seqs=self.o.seqs_per_micro_batch, lengths=self.lengths)  # fmt: skip
+        w = self.o.num_workers
+        return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=w, pin_memory=self.cuda,
+                                           prefetch_factor=4 if w else None, worker_init_fn=_worker_init if w else None)  # fmt: skip
+
+    # ------------------------------------------------------------------ one step
+
+    def _features(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "aux" in mb:
+            return mb["aux"], mb["last"]
+        from eyas.verifier import forward_hidden_states
+
+        B, S = mb["input_ids"].shape
+        H = self.cfg.target_hidden_size or self.cfg.hidden_size
+        aux = torch.zeros(B * S, 3 * H, dtype=self.compute_dtype, device=self.device)
+        last = torch.zeros(B * S, H, dtype=self.compute_dtype, device=self.device)
+        if mb["row_ids"].shape[0]:
+            a, h = forward_hidden_states(self.verifier, mb["row_ids"], layer_ids=self.layer_ids,
+                                         attention_mask=mb["row_attn"])  # fmt: skip
+            aux[mb["dst"]] = a.reshape(-1, 3 * H)[mb["src"]].to(self.compute_dtype)
+            last[mb["dst"]] = h.reshape(-1, H)[mb["src"]].to(self.compute_dtype)
+        return aux.view(B, S, 3 * H), last.view(B, S, H)
+
+    def _forward(self, mb: dict[str, torch.Tensor], denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux, last = self._features(mb)
+        targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps)
+        with self.autocast:
+            return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
+                              targets.logits, targets.argmax, targets.in_vocab, denom)  # fmt: skip
+
+    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def train_step(self, item: dict[str, Any], timer: _Timer) -> None:
+        denom = item["denom"].to(self.device, non_blocking=True)
+        mbs = item["micro_batches"]
+        for i, mb in enumerate(mbs):
+            with self._sync(i == len(mbs) - 1):
+                loss, stats = self._forward(self._to_device(mb), denom)
+                timer.mark("forward")
+                (loss * self.loss_factor).backward()
+                timer.mark("backward")
+            self.meter.add(loss, stats)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.o.clip) if self.o.clip > 0 else None
+        if gnorm is not None and hasattr(gnorm, "full_tensor"):
+            gnorm = gnorm.full_tensor()
+        f = lr_factor(self.global_step, total=self.total, warmup=self.warmup, schedule=self.o.schedule)
+        for opt, lrs in zip(self.optimizers, self.base_lrs):
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr * f
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
+        self.meter.add_step(gnorm, item["tokens"])
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any] | None:
+        if not self.val_plan:
+            return None
+        meter = Meter(self.o.ttt_steps, self.device)
+        for item in self._loader(self.val_plan, 1):
+            denom = item["denom"].to(self.device)
+            for mb in item["micro_batches"]:
+                loss, stats = self._forward(self._to_device(mb), denom)
+                meter.add(loss, stats)
+        return meter.collect(self.d)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizers,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        msd.pop("draft.embed_tokens.weight", None)  # frozen: the verifier's, restored from it
+        return msd, osd
+
+    def save(self, *, final: bool = False) -> None:
+        """A checkpoint (every rank gathers, rank 0 writes), atomically; older ones beyond the newest
+        ``keep_checkpoints`` are removed."""
+        from eyas.manifest import atomic_path
+
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+        if self.d.active:
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        self._check({"finite": bool(finite)})
+        msd, osd = self._state()
+        if not self.d.is_main:
+            self.saved_step = self.global_step
+            self.d.barrier("checkpoint")
+            return
+        state = {
+            "format": STATE_FORMAT,
+            "fingerprint": self.fingerprint,
+            "model": msd,
+            "optimizer": osd,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else torch.zeros(0, dtype=torch.uint8),
+        }
+        self.saved_step = self.global_step
+        path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
+        with atomic_path(path, is_dir=True) as tmp:
+            save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
+            torch.save(state, tmp / STATE_FILE)
+        for old in checkpoint_dirs(self.out)[: -max(1, self.o.keep_checkpoints)]:
+            import shutil
+
+            shutil.rmtree(old)
+        self.d.barrier("checkpoint")
+
+    def resume(self) -> Path | None:
+        """Load the newest checkpoint, if any (every rank reads it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        found = checkpoint_dirs(self.out)
+        if not found:
+            return None
+        path = found[-1]
+        try:
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise EyasError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {e}); remove {path} to resume "
+                            "from the checkpoint before it") from e  # fmt: skip
+        if state.get("format") != STATE_FORMAT:
+            raise EyasError(f"{path / STATE_FILE} has format {state.get('format')!r}, not {STATE_FORMAT!r}")
+        if state["fingerprint"] != self.fingerprint:
+            raise EyasError(f"{self.out} holds checkpoints of a run with other inputs or settings ({path.name}); "
+                            "rerun with the same flags to resume it, or choose another --out")  # fmt: skip
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+        self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        self.saved_step = self.global_step
+        torch.set_rng_state(state["rng"])
+        if self.cuda and state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return path
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        return _draft_state(self._state()[0])
+
+    # ------------------------------------------------------------------ the loop
+
+    def _check(self, m: dict[str, Any]) -> None:
+        if not m["finite"]:
+            good = checkpoint_dirs(self.out)
+            raise EyasError(
+                f"the loss or gradient became nan/inf by step {self.global_step}; stopping. The last good checkpoint "
+                f"is {good[-1] if good else 'none (nothing was saved)'}. Lower --lr, raise --warmup-steps or check "
+                "the features (`eyas extract --verify`), then rerun the same command to resume from it"
+            )
+
+    def _log_train(self, log: RunLog, window_start: float) -> None:
+        m = self.meter.collect(self.d)
+        self._check(m)
+        seconds = time.perf_counter() - window_start
+        self.rates.append((m["tokens"], seconds))
+        rec = {"split": "train", "step": self.global_step, "epoch": self.epoch, "lr": self.optimizers[-1].param_groups[0]["lr"],
+               "grad_norm": m["grad_norm"], "tokens_per_s": m["tokens"] / max(seconds, 1e-9), **flat_metrics(m)}  # fmt: skip
+        if self.timings:
+            for name in ("data", "forward", "backward", "optimizer"):
+                rec[f"ms_{name}"] = sum(t.get(name, 0.0) for t in self.timings) / len(self.timings)
+        log.record(rec)
+        self.last_train = m
+
+    def _validate(self, log: RunLog) -> None:
+        self.last_val = self.validate()
+        if self.last_val is not None:
+            log.record({"split": "val", "step": self.global_step, "epoch": self.epoch, **flat_metrics(self.last_val)})
+
+    def run(self) -> dict[str, Any]:
+        o = self.o
+        resumed = self.resume()
+        if resumed and self.d.is_main:
+            print(f"resuming from {resumed} (step {self.global_step}, epoch {self.epoch + 1})")
+        log = RunLog(self.out, enabled=self.d.is_main, total=self.total, start=self.global_step)
+        try:
+            while self.epoch < o.epochs and self.global_step < self.total:
+                steps = self.plans[self.epoch]
+                it = iter(self._loader(steps[self.step_in_epoch :], o.grad_accum))
+                window = time.perf_counter()
+                while self.step_in_epoch < len(steps) and self.global_step < self.total:
+                    timer = _Timer(self.device, bool(o.profile_every) and self.global_step % o.profile_every == 0)
+                    item = next(it)
+                    timer.mark("data")
+                    self.train_step(item, timer)
+                    if timer.enabled:
+                        self.timings.append(timer.ms)
+                    self.global_step += 1
+                    self.step_in_epoch += 1
+                    end = self.step_in_epoch == len(steps) or self.global_step == self.total
+                    save = not end and o.save_every > 0 and self.global_step % o.save_every == 0
+                    if save or end or self.global_step % o.log_every == 0:
+                        self._log_train(log, window)
+                        m = self.last_train
+                        log.advance({"loss": f"{m['loss_total']:.3f}", "acc0": f"{m['acc'][0]:.3f}",
+                                     "tau": f"{m['tau']:.2f}", "tok/s": f"{self.rates[-1][0] / max(self.rates[-1][1], 1e-9):,.0f}"})  # fmt: skip
+                        if save:
+                            self.save()
+                        window = time.perf_counter()
+                    else:
+                        log.advance()
+                del it
+                if self.step_in_epoch == len(steps):
+                    self._validate(log)
+                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                    self.save()
+            if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch: validate and save once more
+                self._validate(log)
+                self.save()
+        finally:
+            log.close()
+        return self._result()
+
+    def _result(self) -> dict[str, Any]:
+        rates = self.rates[1:] if len(self.rates) > 1 else self.rates  # the first window pays for compilation
+        out: dict[str, Any] = {
+            "steps": self.global_step,
+            "tokens_per_s": sum(t for t, _ in rates) / max(sum(s for _, s in rates), 1e-9),
+            "train": self.last_train,
+            "val": self.last_val,
+        }
+        if self.timings:
+            out["ms_per_step"] = {k: float(np.median([t.get(k, 0.0) for t in self.timings]))
+                                  for k in ("data", "forward", "backward", "optimizer")}  # fmt: skip
+        if self.cuda:
+            out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+
+def _worker_init(_worker_id: int) -> None:
+    torch.set_num_threads(1)  # loaders slice and copy; the compute threads belong to the trainer
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def train(
+    *,
+    verifier: str,
+    data: str,
+    out: str,
+    vocab: str | None = None,
+    online: bool = False,
+    layers: list[int] | None = None,
+    epochs: int = 10,
+    lr: float = 1e-4,
+    max_seq_len: int = 2048,
+    batch_tokens: int | None = None,
+    grad_accum: int = 1,
+    ttt_steps: int = 3,
+    step_loss_decay: float = 1.0,
+    val_ratio: float = 0.02,
+    num_workers: int = 2,
+    warmup_steps: int | None = None,
+    schedule: Literal["cosine", "linear", "constant"] = "cosine",
+    weight_decay: float = 0.0,
+    clip: float = 0.5,
+    seed: int = 0,
+    save_every: int = 1000,
+    keep_checkpoints: int = 2,
+    log_every: int = 10,
+    optimizer: Literal["adamw", "muon"] = "adamw",
+    freeze_lm_head: bool = False,
+    drop_out_of_vocab: bool = False,
+    full_vocab_accuracy: bool = True,
+    dist: Literal["ddp", "fsdp"] = "ddp",
+    device: str | None = None,
+    compile: bool | None = None,
+    norm_before_residual: bool = False,
+    norm_before_fc: bool = False,
+    norm_output: bool = False,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    verifier_name: str | None = None,
+    max_steps: int | None = None,
+    profile_every: int = 0,
+) -> dict[str, Any]:
+    """Train an EAGLE-3 draft for a verifier with training-time test; the output dir is a speculators checkpoint.
+
+    Offline, --data is an `eyas extract` output; with --online it is an `eyas prepare` output and the verifier
+    computes the features per batch. Rerun the same command to resume from the newest checkpoint. Distributed:
+    ``torchrun --nproc-per-node N -m eyas.cli train ...`` (DDP, or --dist fsdp for FSDP2).
+
+    Args:
+        verifier: the verifier checkpoint (dir, .gguf, 'smollm2').
+        data: features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.
+        out: output directory: the draft (config.json + model.safetensors), checkpoints/, metrics.jsonl, tensorboard/.
+        vocab: an `eyas vocab` directory (d2t.npy, t2d.npy); default: the whole verifier vocab.
+        online: run the verifier in the loop on prepared rows (nothing written to disk but the draft).
+        layers: three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3].
+        epochs: passes over the training rows.
+        lr: peak learning rate.
+        max_seq_len: tokens per packed sequence; longer rows are truncated (and counted).
+        batch_tokens: tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence).
+        grad_accum: micro-batches per rank and optimizer step.
+        ttt_steps: training-time-test steps (tokens drafted per position); also the draft's speculative_tokens.
+        step_loss_decay: weight of TTT step k is decay**k (1: every step equally).
+        val_ratio: share of rows held out for validation at each epoch's end.
+        num_workers: DataLoader worker processes.
+        warmup_steps: linear warmup steps (default: 3% of all steps).
+        schedule: learning-rate decay after warmup.
+        weight_decay: AdamW weight decay on matrices (norms never decay).
+        clip: gradient-norm clip (0: off).
+        seed: seeds the draft's init, the validation split and each epoch's packing order.
+        save_every: checkpoint every N optimizer steps (and at each epoch's end).
+        keep_checkpoints: how many checkpoints to keep.
+        log_every: log metrics (and sync the device) every N steps.
+        optimizer: adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head).
+        freeze_lm_head: keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE trains it).
+        drop_out_of_vocab: no loss where the verifier's full-vocab argmax is outside the draft vocab (EAGLE's choice).
+        full_vocab_accuracy: score accuracy against the verifier's full-vocab argmax (costs one pass over the head).
+        dist: under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).
+        device: cpu, cuda or cuda:N (default: cuda when there is one).
+        compile: torch.compile the draft layer and the loss (default: on CUDA).
+        norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
+        norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
+        norm_output: layout flag: feed the normed output to the next step.
+        intermediate_size: draft MLP width (default: the verifier's).
+        num_attention_heads: draft query heads (default: the verifier's; MLA verifiers: as many).
+        num_key_value_heads: draft KV heads (default: the verifier's; MLA verifiers: 8).
+        head_dim: draft head dim (default: the verifier's, or hidden / heads).
+        verifier_name: verifier name_or_path written into config.json for vLLM (default: the --verifier path).
+        max_steps: stop after N optimizer steps (smoke runs and benchmarks).
+        profile_every: every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.
+    """
+    from eyas import dist as _dist
+
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    d = _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu")
+    args = {k: v for k, v in locals().items() if k not in ("_dist", "kind", "d")}
+    try:
+        return _train(d, **args)
+    finally:
+        d.close()
+
+
+def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
+    ids = sorted(int(i) for i in layer_ids)
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i < num_layers for i in ids):
+        raise EyasError(f"--layers must be three distinct ids in 1..{num_layers - 1}, got {layer_ids}")
+    return ids
+
+
+def _train(d, **a: Any) -> dict[str, Any]:
+    from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
+    from eyas.model import DraftConfig, Eagle3Draft, default_attn_implementation
+    from eyas.verifier import build_final_norm, build_text_model, fingerprint, load_head_tensors, resolve
+
+    out = Path(a["out"])
+    info = resolve(a["verifier"])
+    where = d.device(a["device"])
+    cuda = where.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(where)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    compute_dtype = torch.bfloat16 if cuda else torch.float32
+    fp = fingerprint(info)
+    steps, max_len = int(a["ttt_steps"]), int(a["max_seq_len"])
+    if steps < 1 or max_len < steps + 2:
+        raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {steps}, {max_len})")
+    batch_tokens = a["batch_tokens"] or max_len
+    if batch_tokens % max_len:
+        raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
+
+    # ---- inputs, all checked before anything runs
+    if a["online"]:
+        from eyas.datasets import prepared_verifier
+
+        source = PreparedRows(a["data"])
+        if prepared_verifier(source.manifest) != fp:
+            raise EyasError(f"the prepared rows in {a['data']} were tokenized for another verifier "
+                            f"({source.manifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` "
+                            "with this --verifier")  # fmt: skip
+        layer_ids = _check_layers(a["layers"] or info.aux_layer_ids, info.num_hidden_layers)
+    else:
+        from eyas.features import read_features_manifest
+
+        fm = read_features_manifest(a["data"])
+        if int(fm["hidden_size"]) != info.hidden_size:
+            raise EyasError(f"the features in {a['data']} have hidden size {fm['hidden_size']} but {info.path} has "
+                            f"{info.hidden_size}")  # fmt: skip
+        if fm.get("inputs", {}).get("verifier") != fp:
+            raise EyasError(f"the features in {a['data']} were extracted from another verifier "
+                            f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
+                            "came from, or run `eyas extract` with this one")  # fmt: skip
+        layer_ids = list(fm["layer_ids"])
+        if a["layers"] is not None and sorted(a["layers"]) != layer_ids:
+            raise EyasError(f"--layers {a['layers']} differs from the layers the features hold ({layer_ids}); "
+                            "drop --layers or extract those layers")  # fmt: skip
+        source = FeatureRows(a["data"], dtype=compute_dtype)
+    d2t, t2d, vocab_id = load_vocab(a["vocab"], vocab_size=info.vocab_size)
+    overrides = {k: a[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                 if a[k] is not None}  # fmt: skip
+    try:
+        cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=len(d2t), aux_layer_ids=layer_ids,
+                                        norm_before_residual=a["norm_before_residual"],
+                                        norm_before_fc=a["norm_before_fc"], norm_output=a["norm_output"], **overrides)  # fmt: skip
+    except (ValueError, KeyError) as e:
+        raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
+    if a["dist"] == "fsdp" and a["optimizer"] == "muon" and d.active:
+        raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
+
+    flat, offsets = source.masks()
+    lengths, counts = row_counts(flat, offsets, max_len=max_len, steps=steps)
+    truncated = int((np.diff(offsets) > max_len).sum())
+    perm = np.random.default_rng(a["seed"]).permutation(len(lengths))
+    n_val = int(round(len(lengths) * a["val_ratio"])) if a["val_ratio"] > 0 else 0
+    n_val = min(max(n_val, 1 if a["val_ratio"] > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
+    rows_val = np.sort(perm[:n_val])
+    rows_train = np.sort(perm[n_val:])
+    empty = int((counts[rows_train, 0] == 0).sum())
+    rows_train = rows_train[counts[rows_train, 0] > 0]  # no scored position: nothing to learn from
+    if not len(rows_train):
+        raise EyasError(f"{a['data']} has no training row with a loss-masked token past position 1")
+
+    keys = ("online", "epochs", "lr", "max_seq_len", "grad_accum", "ttt_steps", "step_loss_decay", "val_ratio",
+            "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
+            "drop_out_of_vocab", "full_vocab_accuracy", "max_steps")  # fmt: skip
+    settings = {k: a[k] for k in keys}
+    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=a["dist"] if d.active else None,
+                    draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
+    inputs = {"verifier": fp, "data": source.identity(), "vocab": vocab_id,
+              # the template the rows were rendered with, for `eyas eval` to compare (offline: through extract)
+              "chat_template_sha256": source.manifest.get("inputs", {}).get("chat_template_sha256")}  # fmt: skip
+    run_id = sha256_json({"inputs": inputs, "settings": settings})
+
+    def open_out() -> bool:
+        if manifest_matches(out, stage=STAGE, inputs=inputs, settings=settings):
+            return True
+        if (out / MANIFEST).exists():
+            raise EyasError(f"{out} holds a draft trained from other inputs or settings; choose another --out or "
+                            "remove it")  # fmt: skip
+        return False
+
+    if d.run_on_main(open_out):
+        m = read_json(out / MANIFEST, what="train manifest")
+        if d.is_main:
+            print(f"{out}: already trained ({m['outputs']['steps']} steps); nothing to do")
+        return m["outputs"]
+    with contextlib.ExitStack() as stack:
+        if d.is_main:
+            stack.enter_context(OutputLock(out))
+            for tmp in (out / CHECKPOINTS).glob(".step-*"):  # left by a killed run; the lock says none is alive
+                import shutil
+
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        d.barrier("output directory")
+
+        # ---- the draft, its targets, the verifier (online)
+        torch.manual_seed(a["seed"])
+        draft = Eagle3Draft(cfg, attn_implementation=default_attn_implementation(where))
+        heads = load_head_tensors(info)
+        target_ids = torch.arange(len(d2t)) + d2t
+        draft.init_from_verifier(embed=heads.embed, lm_head_rows=heads.lm_head[target_ids])
+        draft.set_vocab(d2t=d2t, t2d=t2d)
+        draft.lm_head.weight.requires_grad_(not a["freeze_lm_head"])
+        draft.to(where)
+        draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
+        rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
+        use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
+        head = TargetHead(norm=build_final_norm(info, dtype=compute_dtype, device=str(where)),
+                          rows=heads.lm_head[target_ids].to(where, compute_dtype), draft_target_ids=target_ids.to(where),
+                          rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
+                          rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
+        del heads
+        compiled = a["compile"] if a["compile"] is not None else cuda
+        if compiled:
+            compile_draft(draft)
+        verifier_model = build_text_model(info, dtype=compute_dtype, device=where) if a["online"] else None
+        archs = [] if info.gguf_file else \
+            read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
+        if not archs:  # a GGUF file has no config.json: name transformers' class for its model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
+                if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
+        save_meta = {"verifier_name": a["verifier_name"] or info.path, "architectures": archs, "steps": steps}
+        o = Options(epochs=a["epochs"], lr=a["lr"], max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
+                    grad_accum=a["grad_accum"], ttt_steps=steps,
+                    step_weights=[a["step_loss_decay"] ** k for k in range(steps)], warmup_steps=a["warmup_steps"],
+                    schedule=a["schedule"], weight_decay=a["weight_decay"], clip=a["clip"], seed=a["seed"],
+                    optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
+                    save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
+                    max_steps=a["max_steps"], profile_every=a["profile_every"])  # fmt: skip
+        trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
+                          verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
+                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,
+                          fingerprint=run_id, save_meta=save_meta)  # fmt: skip
+        if d.is_main:
+            trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+            print(f"eyas train: {len(rows_train)} rows ({int(lengths[rows_train].sum()):,} tokens) for training, "
+                  f"{len(rows_val)} for validation; {trainer.total} steps over {a['epochs']} epoch(s), "
+                  f"{d.world_size} rank(s) x {a['grad_accum']} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
+                  f"trainable parameters, vocab {len(d2t)}/{info.vocab_size}, layers {layer_ids}, "
+                  f"{'online' if a['online'] else 'offline'}, {where}"
+                  + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
+                  + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
+        result = trainer.run()
+        state = trainer.final_state()
+        if d.is_main:
+            save_output(out, cfg, state, **save_meta)
+            plot_curves(out, steps)
+            summary = {k: v for k, v in result.items() if k not in ("train", "val")}
+            summary.update(train=result["train"], val=result["val"], truncated_rows=truncated, skipped_rows=empty)
+            write_manifest(out, stage=STAGE, inputs=inputs, settings=settings, outputs=summary,
+                           verifier_path=info.path, data_path=str(a["data"]))  # fmt: skip
+            if result["train"]:
+                print_summary(result["train"], label=f"training (last {a['log_every']} steps)")
+            if result["val"]:
+                print_summary(result["val"], label="validation")
+            print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
+                  f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
+        d.barrier("end of training")
+        return result

@@ -1,0 +1,117 @@
+"""The fused TTT loss against a plain autograd reference; targets, masks and the implied tau."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from eyas.loss import TargetHead, Targets, implied_tau, step_masks, summarize, ttt_loss
+
+
+def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
+    """Full logits, log_softmax and KL written out; the shifts done with explicit loops."""
+    S, M = valid.shape
+    loss = 0.0
+    stats = []
+    prev = torch.ones(M, dtype=torch.bool)
+    for k in range(S):
+        logits = normed[k] @ W.t()  # [M, N]
+        t = torch.stack([tlogits[i + 1 + k] for i in range(M)])
+        p = t.log_softmax(-1).exp()
+        kl = (p * (t.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+        iv = torch.stack([in_vocab[i + 1 + k] for i in range(M)])
+        ta = torch.stack([tgt_argmax[i + 1 + k] for i in range(M)])
+        kept = valid[k] & iv if drop else valid[k]
+        loss = loss + (kl * kept * scale[k]).sum()
+        correct = (logits.argmax(-1) == ta) & iv
+        cond = valid[k] & prev
+        stats.append([(kl * kept).sum().detach(), kept.sum(), valid[k].sum(), (correct & valid[k]).sum(), (correct & cond).sum(),
+                      cond.sum()])  # fmt: skip
+        prev = prev & correct
+    return loss, torch.tensor([[float(x) for x in row] for row in stats], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_fused_loss_equals_reference_value_and_grads(drop):
+    torch.manual_seed(0)
+    S, M, H, N = 3, 23, 8, 11
+    W = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    normed = [torch.randn(M, H, dtype=torch.float64, requires_grad=True) for _ in range(S)]
+    tlogits = torch.randn(M + S, N, dtype=torch.float64) * 3
+    in_vocab = torch.rand(M + S) > 0.3
+    targets = Targets(tlogits, tlogits.argmax(-1), in_vocab)
+    valid = torch.rand(S, M) > 0.25
+    scale = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+    # make some draft argmaxes right so that accuracy and conditional accuracy are not trivially zero
+    with torch.no_grad():
+        normed[0][:10] = (W[tlogits[1:11].argmax(-1)] * 5)
+
+    loss, stats = ttt_loss(normed, W, targets, valid, scale, drop_out_of_vocab=drop, compute_dtype=torch.float64,
+                           chunk_tokens=5)  # fmt: skip
+    loss.backward()
+    got = [W.grad.clone()] + [h.grad.clone() for h in normed]
+    for t in [W, *normed]:
+        t.grad = None
+    ref_loss, ref_stats = _reference(normed, W, tlogits, valid, scale, in_vocab, tlogits.argmax(-1), drop)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.double(), ref_stats, rtol=1e-12, atol=1e-12)
+    for g, t in zip(got, [W, *normed]):
+        torch.testing.assert_close(g, t.grad, rtol=1e-10, atol=1e-12)
+    assert ref_stats[0, 3] > 0 and ref_stats[0, 4] > 0  # the accuracy path was exercised
+
+    with torch.no_grad():  # no gradient is formed (or needed) without autograd
+        loss2, stats2 = ttt_loss(normed, W, targets, valid, scale, drop_out_of_vocab=drop,
+                                 compute_dtype=torch.float64, chunk_tokens=7)  # fmt: skip
+    torch.testing.assert_close(loss2, ref_loss.detach())
+    torch.testing.assert_close(stats2, stats)
+
+
+def test_step_masks_brute_force():
+    torch.manual_seed(1)
+    B, T, S = 2, 13, 3
+    loss_mask = torch.rand(B, T) > 0.3
+    doc = torch.tensor([[0] * 5 + [1] * 6 + [-1] * 2, [0] * 13])
+    got = step_masks(loss_mask, doc, S)
+    for k in range(S):
+        for b in range(B):
+            for t in range(T):
+                j = t + 2 + k
+                want = j < T and bool(loss_mask[b, j]) and doc[b, j] == doc[b, t] and doc[b, t] >= 0
+                assert bool(got[k, b, t]) == want, (k, b, t)
+
+
+def test_target_head_matches_full_vocab_argmax_with_ties():
+    """in_vocab equals 'the argmax over the full vocab (lowest id among ties) is a draft token'. Small integers make
+    every dot product exact, so ties are frequent and do not depend on how the matmul is split."""
+    torch.manual_seed(2)
+    V, H, M = 40, 4, 300
+    full = torch.randint(-2, 3, (V, H)).double()
+    draft_ids = torch.tensor(sorted(torch.randperm(V)[:15].tolist()))
+    rest_ids = torch.tensor([i for i in range(V) if i not in set(draft_ids.tolist())])
+    last = torch.randint(-2, 3, (M, H)).double()
+    head = TargetHead(norm=nn.Identity(), rows=full[draft_ids], draft_target_ids=draft_ids, rest=full[rest_ids],
+                      rest_ids=rest_ids, chunk_tokens=17)  # fmt: skip
+    t = head(last, pad=2)
+    logits = last @ full.t()
+    want = torch.isin(logits.argmax(-1), draft_ids)
+    ties = (logits == logits.max(-1, keepdim=True).values).sum(-1) > 1
+    assert int(ties.sum()) > 50  # the tie-break path is exercised
+    assert torch.equal(t.in_vocab[:M], want)
+    assert 0 < int(want.sum()) < M and not bool(t.in_vocab[M:].any())
+    assert torch.equal(t.argmax[:M], (last @ full[draft_ids].t()).argmax(-1))
+    assert torch.equal(t.logits[M:], torch.zeros(2, len(draft_ids), dtype=torch.float64))
+
+
+def test_implied_tau():
+    assert implied_tau([]) == 1.0
+    assert implied_tau([1.0, 1.0, 1.0]) == 4.0
+    assert math.isclose(implied_tau([0.8, 0.5, 0.5]), 1 + 0.8 + 0.4 + 0.2)
+    assert math.isclose(implied_tau([0.5, float("nan"), 0.9]), 1.5)
+    s = torch.tensor([[2.0, 4, 4, 3, 3, 4], [1.0, 2, 4, 1, 1, 3]])
+    m = summarize(s)
+    assert m["loss"] == [0.5, 0.5] and m["acc"] == [0.75, 0.25] and m["cond_acc"][0] == 0.75
+    assert math.isclose(m["tau"], 1 + 0.75 + 0.75 / 3)

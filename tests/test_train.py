@@ -1,0 +1,254 @@
+"""`eyas train` on tiny real verifiers: online == offline, learning, resume after kill -9, NaN stop, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from eyas.errors import EyasError
+from eyas.batches import pack_rows, plan_epoch, row_counts
+from eyas.train import STATE_FILE, checkpoint_dirs, train
+
+COMMON = dict(max_seq_len=64, num_workers=0, log_every=2, warmup_steps=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two loaded cores: one compute thread per process is faster here and keeps runs bit-reproducible."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _rows(n: int, seed: int, vocab: int = tiny.VOCAB) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        L = int(rng.integers(10, 90))  # some rows exceed max_seq_len=64 and are truncated
+        prompt = int(rng.integers(2, L // 2))
+        rows.append((rng.integers(3, vocab, L).tolist(), [0] * prompt + [1] * (L - prompt)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def inputs(make_tiny, tmp_path_factory):
+    """A tiny Llama verifier, prepared rows for it, fp32 features and a draft vocab of half its tokens."""
+    from eyas.extract import extract
+
+    root = tmp_path_factory.mktemp("train")
+    verifier = make_tiny("llama").path
+    prepared = tiny.write_prepared(root / "prepared", _rows(40, 0), verifier=verifier)
+    torch.set_num_threads(1)
+    extract(verifier=str(verifier), data=str(prepared), out=str(root / "features"), dtype="fp32")
+    vocab = root / "vocab"
+    vocab.mkdir()
+    used = np.sort(np.random.default_rng(1).permutation(tiny.VOCAB)[:256])
+    np.save(vocab / "d2t.npy", (used - np.arange(256)).astype(np.int64))
+    t2d = np.zeros(tiny.VOCAB, dtype=bool)
+    t2d[used] = True
+    np.save(vocab / "t2d.npy", t2d)
+    (vocab / "manifest.json").write_text(json.dumps({"stage": "vocab"}))
+    return {"verifier": str(verifier), "prepared": str(prepared), "features": str(root / "features"),
+            "vocab": str(vocab), "root": root}  # fmt: skip
+
+
+def _records(out: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def _final_state(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint_dirs(out)[-1] / STATE_FILE, weights_only=True)["model"]
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def test_packing_covers_each_row_once_and_plans_do_not_depend_on_world_size():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, 300)
+    seqs = pack_rows(rng.permutation(300), lengths, 64)
+    assert sorted(r for s in seqs for r in s) == list(range(300))
+    assert all(lengths[s].sum() <= 64 for s in seqs)
+    assert lengths.sum() / (64 * len(seqs)) > 0.9  # best fit packs tightly
+    counts = rng.integers(0, 5, (300, 3))
+    rows = np.arange(300)
+    one = plan_epoch(rows, lengths, counts, seed=3, epoch=1, shuffle=True, max_len=64, seqs_per_micro_batch=2,
+                     micro_batches_per_step=4)  # fmt: skip
+    again = plan_epoch(rows, lengths, counts, seed=3, epoch=1, shuffle=True, max_len=64, seqs_per_micro_batch=2,
+                       micro_batches_per_step=4)  # fmt: skip
+    assert [s.micro_batches for s in one] == [s.micro_batches for s in again]
+    assert all(len(s.micro_batches) == 4 for s in one)
+    np.testing.assert_array_equal(sum(s.denom for s in one), counts.sum(0))
+    other = plan_epoch(rows, lengths, counts, seed=3, epoch=2, shuffle=True, max_len=64, seqs_per_micro_batch=2,
+                       micro_batches_per_step=4)  # fmt: skip
+    assert [s.micro_batches for s in one] != [s.micro_batches for s in other]
+
+
+def test_row_counts_match_the_step_masks():
+    from eyas.loss import step_masks
+
+    rng = np.random.default_rng(2)
+    rows = [rng.random(int(n)) > 0.4 for n in rng.integers(1, 30, 20)]
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    lengths, counts = row_counts(np.concatenate(rows), offsets, max_len=16, steps=3)
+    for r, L, c in zip(rows, lengths, counts):
+        assert L == min(len(r), 16)
+        m = torch.from_numpy(r[:L])[None]
+        np.testing.assert_array_equal(step_masks(m, torch.zeros_like(m, dtype=torch.long), 3).sum((1, 2)), c)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_online_equals_offline(inputs, tmp_path):
+    """The verifier in the loop gives the loss and the weights that stored features give."""
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], epochs=1, max_steps=4, val_ratio=0.0, **COMMON)
+    train(data=inputs["features"], out=str(tmp_path / "offline"), **kw)
+    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), **kw)
+    off, on = _records(tmp_path / "offline"), _records(tmp_path / "online")
+    assert [r["step"] for r in off] == [r["step"] for r in on] == [2, 4]
+    for a, b in zip(off, on):
+        for k in range(3):
+            assert a[f"loss_{k}"] == pytest.approx(b[f"loss_{k}"], rel=1e-5)
+            assert a[f"acc_{k}"] == b[f"acc_{k}"]
+    sa, sb = _final_state(tmp_path / "offline"), _final_state(tmp_path / "online")
+    for name in sa:
+        torch.testing.assert_close(sa[name], sb[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
+    from eyas.checkpoint import load_draft, read_draft_config
+
+    out = tmp_path / "run"
+    kw = dict(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], out=str(out), epochs=4,
+              lr=3e-3, val_ratio=0.1, **COMMON)  # fmt: skip
+    result = train(**kw)
+    recs = _records(out)
+    assert recs[-1]["loss_0"] < 0.5 * recs[0]["loss_0"]
+    assert result["val"]["acc"][0] >= 0 and len(_records(out, "val")) == 4
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stage"] == "train" and manifest["outputs"]["val"]["tau"] >= 1.0
+    assert (out / "training_curves.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    cfg, raw = read_draft_config(out)
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert cfg.draft_vocab_size == 256 and cfg.aux_layer_ids == [2, 4, 5] and raw["norm_before_residual"] is False
+    assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    draft = load_draft(out, verifier=inputs["verifier"])
+    state = _final_state(out)
+    for name, t in draft.state_dict().items():
+        if name.startswith("draft.") or name in ("embed_tokens.weight",):
+            continue
+        want = state[f"draft.{name}"]
+        torch.testing.assert_close(t, want.to(torch.bfloat16).to(t.dtype) if want.is_floating_point() else want,
+                                   msg=name)  # fmt: skip
+    capsys.readouterr()
+    again = train(**kw)  # the same command again: nothing to do
+    assert "already trained" in capsys.readouterr().out and again["steps"] == result["steps"]
+
+
+def test_resume_after_kill9_is_bit_identical(inputs, tmp_path):
+    """SIGKILL mid-epoch, rerun the same command: the final weights equal an uninterrupted run's, bit for bit."""
+    args = dict(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], epochs=3,
+                val_ratio=0.1, save_every=2, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "whole"), **args)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "eyas.cli", "train", "--verifier-path", args["verifier"], "--data-dir",
+           args["data"], "--vocab-mapping-dir", args["vocab"], "--output-dir", str(out), "--epochs", "3",
+           "--val-ratio", "0.1", "--save-every", "2", "--max-seq-len", "64", "--num-workers", "0", "--log-every", "2",
+           "--warmup-steps", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not checkpoint_dirs(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = int(checkpoint_dirs(out)[-1].name.removeprefix("step-"))
+    assert not (out / "manifest.json").exists() and (out / ".eyas.lock").exists()
+
+    train(out=str(out), **args)  # the same run again: resumes
+    whole, resumed = _final_state(tmp_path / "whole"), _final_state(out)
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    steps = [r["step"] for r in _records(out)]
+    assert steps == sorted(set(steps)) and killed_at < steps[-1]  # no duplicated records after the resume
+
+
+def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
+    """A row whose features hold NaN (a corrupted shard): the run stops with a clear message and every
+    checkpoint on disk is finite."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    feats = tmp_path / "features"
+    shutil.copytree(inputs["features"], feats)
+    shard = next(feats.glob("rows_*.safetensors"))
+    with safe_open(str(shard), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(shard))
+    a, b = t["cu_seqlens"][7].item(), t["cu_seqlens"][8].item()
+    t["hidden_states"][a:b, 0] = float("nan")
+    save_file(t, str(shard), metadata=meta)  # same size: only `eyas extract --verify` (hashes) would notice
+    out = tmp_path / "run"
+    with pytest.raises(EyasError, match="nan/inf"):
+        train(verifier=inputs["verifier"], data=str(feats), vocab=inputs["vocab"], out=str(out), epochs=2,
+              val_ratio=0.0, save_every=1, **{**COMMON, "log_every": 1})  # fmt: skip
+    assert not (out / "manifest.json").exists() and not (out / "model.safetensors").exists()
+    for ckpt in checkpoint_dirs(out):
+        state = torch.load(ckpt / STATE_FILE, weights_only=True)["model"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
+    from eyas.extract import extract
+
+    out = tmp_path / "out"
+    base = dict(verifier=inputs["verifier"], out=str(out), epochs=1, **COMMON)
+    other = make_tiny("qwen3").path  # same hidden size and vocab, other weights
+    other_feats = tmp_path / "qwen3-features"
+    other_rows = tiny.write_prepared(tmp_path / "qwen3-rows", _rows(4, 5), verifier=other)
+    extract(verifier=str(other), data=str(other_rows), out=str(other_feats), dtype="fp32")
+    with pytest.raises(EyasError, match="extracted from another verifier"):
+        train(data=str(other_feats), **base)
+    with pytest.raises(EyasError, match="tokenized for another verifier"):
+        train(data=str(other_rows), online=True, **base)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**tiny._common(hidden_size=32, num_attention_heads=2, num_key_value_heads=1))
+    narrow = tiny._save(tiny._build(cfg, LlamaForCausalLM, 7), tiny.make_tokenizer(), tmp_path / "narrow", cfg,
+                        LlamaForCausalLM)  # fmt: skip
+    with pytest.raises(EyasError, match="hidden size 64 but .* has 32"):
+        train(**{**base, "verifier": str(narrow.path), "data": inputs["features"]})
+
+    bad = tmp_path / "vocab-other-tokenizer"
+    bad.mkdir()
+    np.save(bad / "d2t.npy", np.zeros(600, dtype=np.int64))
+    np.save(bad / "t2d.npy", np.ones(600, dtype=bool))
+    with pytest.raises(EyasError, match="made for another tokenizer"):
+        train(data=inputs["features"], vocab=str(bad), **base)
+    np.save(bad / "t2d.npy", np.ones(tiny.VOCAB, dtype=bool))
+    np.save(bad / "d2t.npy", np.ones(tiny.VOCAB, dtype=np.int64))
+    with pytest.raises(EyasError, match="does not map onto"):
+        train(data=inputs["features"], vocab=str(bad), **base)
+    with pytest.raises(EyasError, match="--layers"):
+        train(data=inputs["features"], layers=[1, 2, 3], **base)
+    assert not out.exists()
