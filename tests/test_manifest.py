@@ -67,3 +67,15 @@ def test_disk_check(tmp_path):
     check_free_disk(tmp_path, needed=1, what="a tiny write")
     with pytest.raises(EyasError, match=r"needs about .* free"):
         check_free_disk(tmp_path / "sub", needed=1 << 60, what="features")
+
+
+def test_atomic_file_gets_a_normal_mode(tmp_path):
+    """safetensors writes 0600 files; a checkpoint another user's server must read gets the umask's mode."""
+    from safetensors.torch import save_file
+    import torch
+
+    with atomic_path(tmp_path / "w.safetensors") as tmp:
+        save_file({"a": torch.zeros(1)}, str(tmp))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -23,6 +23,8 @@ from eyas import __version__
 from eyas.errors import EyasError
 
 MANIFEST = "manifest.json"
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once: os.umask can only be read by setting it
 
 
 def _fsync_dir(path: Path) -> None:
@@ -63,6 +65,8 @@ def atomic_path(path: str | os.PathLike, *, is_dir: bool = False) -> Iterator[Pa
         tmp.mkdir()
     try:
         yield tmp
+        if tmp.is_file():  # some writers (safetensors) create 0600 files; give it a normal file's mode
+            os.chmod(tmp, 0o666 & ~_UMASK)
         _fsync_tree(tmp)
         if is_dir and final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")

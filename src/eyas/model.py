@@ -261,10 +261,10 @@ class TTTContext:
                 causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
                 return torch.where(step == 0, causal, s == q_idx)
 
-            # _compile builds the mask block by block in one fused kernel instead of materialising
-            # [B, T, (k+1)T] booleans (torch docs, "create_block_mask": "_compile ... for large masks").
-            self._block_masks[k] = create_block_mask(mask_mod, B, None, T, (k + 1) * T, device=docs.device,
-                                                     _compile=docs.device.type == "cuda")  # fmt: skip
+            # Compiled, create_block_mask builds the mask block by block in one fused kernel instead of
+            # materialising [B, T, (k+1)T] booleans; torch >= 2.11 deprecates its `_compile` flag for this.
+            build = _compiled_create_block_mask() if docs.device.type == "cuda" else create_block_mask
+            self._block_masks[k] = build(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
         return self._block_masks[k]
 
     # Runs outside any torch.compile graph: a compiled layer breaks here, and flex attention is compiled on its
@@ -291,6 +291,17 @@ class TTTContext:
 
 
 _compiled_flex = None
+_compiled_block_mask = None
+
+
+def _compiled_create_block_mask():
+    """``torch.compile(create_block_mask)``, built once per process."""
+    global _compiled_block_mask
+    if _compiled_block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
 
 
 def _flex_attention(q, k, v, **kwargs):

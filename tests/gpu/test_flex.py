@@ -100,8 +100,9 @@ def test_fused_loss_bf16_matches_fp64_reference():
     scale = torch.full((S,), 1.0 / M, device="cuda")
     res = {}
     for name, dtype, compiled, dev in (("bf16", torch.bfloat16, True, "cuda"), ("fp64", torch.float64, False, "cpu")):
-        w = W.to(dev, torch.float64 if dev == "cpu" else torch.float32).requires_grad_()
-        hs = [h.to(dev, w.dtype).requires_grad_() for h in normed]
+        # fresh leaves each round (`.to` may return the same tensor, which the first round made require grad)
+        w = W.detach().to(dev, torch.float64 if dev == "cpu" else torch.float32).clone().requires_grad_()
+        hs = [h.detach().to(dev, w.dtype).clone().requires_grad_() for h in normed]
         tt = Targets(t.logits.to(dev, torch.float64 if dev == "cpu" else torch.bfloat16), t.argmax.to(dev),
                      t.in_vocab.to(dev))  # fmt: skip
         loss, _ = ttt_loss(hs, w, tt, valid.to(dev), scale.to(dev, w.dtype), compute_dtype=dtype,
