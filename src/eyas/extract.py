@@ -40,6 +40,7 @@ import torch
 from eyas import features
 from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
+from eyas.verifier import HiddenStateCapture
 
 SHARD_BYTES = 1 << 30  # target shard size on disk
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
@@ -165,33 +166,6 @@ def assign_shards(tokens: Sequence[int], world_size: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- capture
 
 
-class _Capture:
-    """Forward pre-hooks that keep, for the real tokens only, the input of each aux decoder layer and of the
-    final norm. Gathering inside the hook copies the states before any later in-place update could touch them."""
-
-    def __init__(self, backbone: torch.nn.Module, layer_ids: list[int]) -> None:
-        layers, norm = getattr(backbone, "layers", None), getattr(backbone, "norm", None)
-        if layers is None or norm is None:
-            raise EyasError(f"the text model {type(backbone).__name__} has no `.layers` / `.norm`; "
-                            "eyas cannot find where to capture its hidden states")  # fmt: skip
-        self.index: torch.Tensor | None = None  # flat positions of the real tokens in [B*T]
-        self.states: list[torch.Tensor | None] = [None] * NUM_STATES
-        modules = [layers[i] for i in layer_ids] + [norm]
-        self._hooks = [m.register_forward_pre_hook(self._hook(k), with_kwargs=True) for k, m in enumerate(modules)]
-
-    def _hook(self, k: int) -> Callable:
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
-            idx = self.index if self.index.device == x.device else self.index.to(x.device)
-            self.states[k] = x.flatten(0, 1).index_select(0, idx)  # [N, H]
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-
 @dataclass
 class _Batch:
     rows: list[int]  # positions within the shard
@@ -215,6 +189,7 @@ class Extractor:
 
     def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int,
                  writer_threads: int | None = None) -> None:  # fmt: skip
+        self.model = model
         self.backbone = model.base_model  # the decoder stack: `model.model` for every *ForCausalLM
         self.device = self.backbone.get_input_embeddings().weight.device
         self.layer_ids = layer_ids
@@ -233,19 +208,18 @@ class Extractor:
         return ids.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def _run_batch(self, cap: _Capture, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> _Batch:
+    def _run_batch(self, cap: HiddenStateCapture, rows: list[tuple[np.ndarray, np.ndarray]],
+                   batch: list[int]) -> _Batch:  # fmt: skip
         ids = self.padded(rows, batch)
         B, T = ids.shape
         lengths = [len(rows[r][0]) for r in batch]
         index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
         cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
+        cap.clear()
         self.backbone(input_ids=ids, use_cache=False)
-        if any(s is None for s in cap.states):
-            missing = [name for name, s in zip([*map(str, self.layer_ids), "final norm"], cap.states) if s is None]
-            raise EyasError(f"the verifier's forward never reached {', '.join(missing)}; cannot capture there")
         # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
         # streams order the copy to the host below.
-        hidden = torch.stack([s.to(self.device) for s in cap.states], dim=1)  # [N, 4, H]
+        hidden = cap.stacked(self.device)  # [N, 4, H]
         scale = None
         if self.dtype == "fp8":
             row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
@@ -258,7 +232,6 @@ class Extractor:
         else:
             hidden = hidden.to(STORAGE_DTYPES[self.dtype])
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        cap.states = [None] * NUM_STATES
         return _Batch(batch, offsets, *self._to_host(hidden, scale))
 
     def _to_host(self, hidden: torch.Tensor, scale: torch.Tensor | None) -> tuple:
@@ -305,7 +278,7 @@ class Extractor:
         H = self.backbone.get_input_embeddings().embedding_dim
         writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype],
                          threads=self.writer_threads)  # fmt: skip
-        cap = _Capture(self.backbone, self.layer_ids)
+        cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
         try:
             for start, end in shards:

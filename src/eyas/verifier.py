@@ -787,51 +787,87 @@ class HiddenStateCapture:
     the states as they pass, so a forward with a KV cache (decoding) is captured
     the same way as a full one, and nothing else is materialised.
 
-    Use as a context manager; after a forward, :meth:`aux` is ``[B, T, len(ids)*H]``
-    (ascending id order) and :attr:`last` is ``[B, T, H]``.
+    With :attr:`index` set (flat positions into ``[B*T]``), each hook keeps
+    only those tokens, ``[N, H]``: extraction drops padding on the device, and
+    copies the states before any later in-place update could touch them.
+
+    The hooks attach on construction; leave the ``with`` block (or call
+    :meth:`remove`) to detach them. After a forward,
+    :meth:`aux` is ``[B, T, n*H]`` (ascending id order), :attr:`last` is
+    ``[B, T, H]`` and :meth:`stacked` is ``[..., n+1, H]`` (aux states, then last).
     """
 
     def __init__(self, model, layer_ids: list[int]) -> None:
         base = model.base_model
-        self.layers = base.layers
-        self.norm = base.norm
+        self.layers, self.norm = getattr(base, "layers", None), getattr(base, "norm", None)
+        if self.layers is None or self.norm is None:
+            raise EyasError(f"the text model {type(base).__name__} has no `.layers` / `.norm`; "
+                            "eyas cannot find where to capture its hidden states")  # fmt: skip
         L = len(self.layers)
         if any(not 0 <= i <= L for i in layer_ids):
             raise EyasError(f"aux layer ids {layer_ids} out of range for a verifier with {L} layers (0..{L})")
         self.layer_ids = sorted(int(i) for i in layer_ids)
+        self.index: torch.Tensor | None = None
         self.states: dict[int, torch.Tensor] = {}
         self.last: torch.Tensor | None = None
         self._handles: list[Any] = []
+        self._attach()
 
-    @staticmethod
-    def _first(args: tuple, kwargs: dict) -> torch.Tensor:
-        return args[0] if args else kwargs["hidden_states"]
+    def _keep(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
+        if self.index is None:
+            return x
+        idx = self.index if self.index.device == x.device else self.index.to(x.device)
+        return x.flatten(0, 1).index_select(0, idx)  # [N, H]
 
-    def __enter__(self) -> "HiddenStateCapture":
+    def _attach(self) -> None:
         for i in set(self.layer_ids):
             if i == len(self.layers):
                 continue  # the final pre-norm state is the norm's input, captured below
 
             def hook(_module, args, kwargs, i=i):
-                self.states[i] = self._first(args, kwargs)
+                self.states[i] = self._keep(args, kwargs)
 
             self._handles.append(self.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
 
         def norm_hook(_module, args, kwargs):
-            self.last = self._first(args, kwargs)
+            self.last = self._keep(args, kwargs)
 
         self._handles.append(self.norm.register_forward_pre_hook(norm_hook, with_kwargs=True))
+
+    def __enter__(self) -> "HiddenStateCapture":
+        if not self._handles:  # re-entered after a `with` block detached the hooks
+            self._attach()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
+    def clear(self) -> None:
+        """Forget the last forward's states (so a forward that never reaches a hook is caught)."""
+        self.states, self.last = {}, None
+
+    def _parts(self) -> list[torch.Tensor]:
+        parts = [self.last if i == len(self.layers) else self.states.get(i) for i in self.layer_ids] + [self.last]
+        if any(p is None for p in parts):
+            names = [*map(str, self.layer_ids), "final norm"]
+            missing = [n for n, p in zip(names, parts) if p is None]
+            raise EyasError(f"the verifier's forward never reached {', '.join(missing)}; cannot capture there")
+        return parts  # type: ignore[return-value]
+
     def aux(self) -> torch.Tensor:
-        """The captured aux states concatenated in ascending id order: ``[B, T, n*H]``."""
-        parts = [self.last if i == len(self.layers) else self.states[i] for i in self.layer_ids]
-        return torch.cat(parts, dim=-1)
+        """The captured aux states concatenated in ascending id order: ``[..., n*H]``."""
+        return torch.cat(self._parts()[:-1], dim=-1)
+
+    def stacked(self, device: torch.device | None = None) -> torch.Tensor:
+        """Aux states then the last pre-norm state, stacked: ``[..., n+1, H]`` (on ``device`` when given:
+        under ``device_map`` the layers sit on several GPUs)."""
+        return torch.stack([p if device is None else p.to(device) for p in self._parts()], dim=-2)
 
 
 def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int],
@@ -840,5 +876,5 @@ def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int
     """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``."""
     with torch.no_grad(), HiddenStateCapture(model, layer_ids) as cap:
         model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-    assert cap.last is not None
-    return cap.aux(), cap.last
+    parts = cap._parts()
+    return torch.cat(parts[:-1], dim=-1), parts[-1]
