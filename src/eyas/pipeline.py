@@ -35,6 +35,14 @@ def demo(*, out: str = "runs/demo") -> None:
     demo_train(root=root)
     ship(out=out)
     demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
+    print(f"\n== what the demo made, under {root}/ (run `make demo` again: every finished stage is skipped)")
+    for name, what in (("prepared", "token ids + assistant-only loss masks (eyas prepare)"),
+                       ("vocab", "d2t.npy / t2d.npy draft vocab map + coverage (eyas vocab)"),
+                       ("features", "aux + last hidden states, sha256-checked shards (eyas extract)"),
+                       ("draft", "the trained draft, speculators format: vLLM serves it as is (eyas train)"),
+                       ("draft-sglang", "the same draft in the EAGLE-3 layout SGLang serves (eyas export)"),
+                       ("eval", "report.json + accepted-length histogram (eyas eval)")):  # fmt: skip
+        print(f"  {name + '/':<14} {what}")
 
 
 def demo_train(*, root: Path) -> dict:
