@@ -16,6 +16,7 @@ from eyas.evaluate import (
     plain_generate,
     predicted_tau,
     random_draft,
+    sliding_rollback_supported,
     speculative_generate,
     ttt_chain_lengths,
     verify_greedy,
@@ -227,6 +228,10 @@ def test_sliding_window_verifier_rolls_back():
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256)  # fmt: skip
     model = MistralForCausalLM(cfg).eval()
+    if not sliding_rollback_supported():  # transformers 5.17: refused with a clear error
+        with pytest.raises(EyasError, match="needs transformers >= 5.24"):
+            VerifierRunner(model, aux_layer_ids=None, static=False)
+        return
     dcfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        vocab_size=64, draft_vocab_size=64, aux_layer_ids=[1, 2, 3])  # fmt: skip
     draft = Eagle3Draft(dcfg)

@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
                "an EAGLE/SpecForge/speculators draft", ("draft",), {"draft": (), "from_format": ("--from",)}),
     "eval": ("eyas.evaluate:evaluate", "measure a draft by real speculative decoding: tau, acceptance, lossless, speedup",
              (), {}),
+    "run": ("eyas.pipeline:run", "run the stages a TOML config lists, in order, resumably", ("config",), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
 }  # fmt: skip
 

@@ -118,6 +118,20 @@ def has_sliding_window(config) -> bool:
     return any(getattr(layer, "is_sliding", False) for layer in StaticCache(config=config, max_cache_len=1).layers)
 
 
+#: The oldest transformers whose DynamicCache rolls a sliding-window layer back correctly, as proven by
+#: tests/test_evaluate.py::test_sliding_window_verifier_rolls_back (5.17 has `activate_past_recording`, but
+#: decoding with it recorded fails there: the sliding mask and the recorded keys disagree by one position).
+SLIDING_ROLLBACK_MIN_TRANSFORMERS = (5, 24)
+
+
+def sliding_rollback_supported() -> bool:
+    """Whether this transformers can decode a sliding-window verifier with rollback."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= SLIDING_ROLLBACK_MIN_TRANSFORMERS
+
+
 class VerifierRunner:
     """The verifier's forward over new tokens with a KV cache that can be rolled back.
 
@@ -138,9 +152,16 @@ class VerifierRunner:
         self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
         # transformers 5.24 renamed past_key_values to cache; 5.17 (the GPU machine's) knows only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        if static and has_sliding_window(model.config):
-            raise EyasError("a static cache cannot roll back a sliding-window verifier (its buffer is circular): "
-                            "use --cache dynamic")  # fmt: skip
+        if has_sliding_window(model.config):
+            if static:
+                raise EyasError("a static cache cannot roll back a sliding-window verifier (its buffer is circular): "
+                                "use --cache dynamic")  # fmt: skip
+            if not sliding_rollback_supported():
+                import transformers
+
+                need = ".".join(map(str, SLIDING_ROLLBACK_MIN_TRANSFORMERS))
+                raise EyasError(f"speculative decoding of a sliding-window verifier needs transformers >= {need} (its "
+                                f"caches roll back correctly from there); this is {transformers.__version__}")  # fmt: skip
         self.cache = None
         self.max_len = 0
         self.compiled_lengths = set(compiled_lengths) if compile_mode else set()

@@ -1,12 +1,96 @@
-"""Chaining the stages: ``eyas demo`` (SmolLM2 at CPU scale) and, later, ``eyas run CONFIG``.
+"""Chaining the stages: ``eyas run CONFIG`` and ``eyas demo`` (SmolLM2 at CPU scale).
 
 Stages meet only through files; this module calls them in order and each one
-skips itself when its manifest already matches, so a rerun resumes.
+skips itself (or resumes) when its output already matches, so a rerun resumes.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect as _inspect
+import os
+import tomllib
 from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+#: The pipeline in order: section name, stage function, and where its inputs and output sit under ``out``.
+PIPELINE: tuple[tuple[str, str], ...] = (
+    ("prepare", "eyas.data:prepare"),
+    ("vocab", "eyas.vocab:vocab"),
+    ("extract", "eyas.extract:extract"),
+    ("train", "eyas.train:train"),
+    ("export", "eyas.export:export"),
+    ("eval", "eyas.evaluate:evaluate"),
+)
+
+
+def _wiring(stage: str, root: Path, sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Default arguments that connect a stage to the ones before it (each overridable in the config)."""
+    online = bool(sections.get("train", {}).get("online"))
+    return {
+        "prepare": {"out": root / "prepared"},
+        "vocab": {"data": root / "prepared", "out": root / "vocab"},
+        "extract": {"data": root / "prepared", "out": root / "features"},
+        "train": {"data": root / ("prepared" if online else "features"), "out": root / "draft",
+                  **({"vocab": root / "vocab"} if "vocab" in sections else {})},  # fmt: skip
+        "export": {"draft": root / "draft",
+                   "out": root / f"draft-{sections.get('export', {}).get('format', 'speculators')}"},  # fmt: skip
+        "eval": {"draft": root / "draft", "out": root / "eval",
+                 **({"offline": root / "features"} if "extract" in sections else {})},  # fmt: skip
+    }[stage]
+
+
+def run(config: str) -> dict[str, Any]:
+    """Run the pipeline a TOML config describes: every stage it has a section for, in pipeline order.
+
+    Top-level keys: ``out`` (the root every stage writes under, default ``runs/<config name>``) and
+    ``verifier`` (given to every stage that takes one). Each ``[stage]`` section (``prepare``, ``vocab``,
+    ``extract``, ``train``, ``export``, ``eval``) holds that stage's own arguments, by their Python names;
+    inputs and outputs are wired under ``out`` (``prepared/``, ``vocab/``, ``features/``, ``draft/``, ...)
+    unless the section sets them. Finished stages skip themselves, so rerunning the command resumes.
+
+    Args:
+        config: a TOML file (see configs/ for examples).
+    """
+    path = Path(config)
+    try:
+        cfg = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise EyasError(f"config not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise EyasError(f"{path} is not valid TOML: {e}") from e
+    names = [name for name, _ in PIPELINE]
+    unknown = [k for k, v in cfg.items() if isinstance(v, dict) and k not in names]
+    unknown += [k for k, v in cfg.items() if not isinstance(v, dict) and k not in ("out", "verifier")]
+    if unknown:
+        raise EyasError(f"{path}: unknown key(s) {unknown}; top level takes out, verifier and the sections {names}")
+    sections = {k: v for k, v in cfg.items() if isinstance(v, dict)}
+    if not sections:
+        raise EyasError(f"{path} has no stage section; add one or more of {names}")
+    root = Path(cfg.get("out") or Path("runs") / path.stem)
+    plan = []
+    for name, target in PIPELINE:  # check every section before the first stage runs
+        if name not in sections:
+            continue
+        mod, _, fn_name = target.partition(":")
+        fn = getattr(importlib.import_module(mod), fn_name)
+        params = _inspect.signature(fn).parameters
+        bad = [k for k in sections[name] if k not in params]
+        if bad:
+            raise EyasError(f"{path}: [{name}] has no argument(s) {bad}; it takes {sorted(params)}")
+        args: dict[str, Any] = {k: str(v) for k, v in _wiring(name, root, sections).items() if k in params}
+        if "verifier" in params and "verifier" in cfg:
+            args["verifier"] = cfg["verifier"]
+        args.update(sections[name])
+        plan.append((name, fn, args))
+    results = {}
+    for name, fn, args in plan:
+        print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in args.items()))
+        results[name] = fn(**args)
+    print(f"\n== {path}: {', '.join(n for n, _, _ in plan)} done under {root}{os.sep}")
+    return results
 
 
 def demo(*, out: str = "runs/demo") -> None:

@@ -1,0 +1,73 @@
+"""`eyas run CONFIG`: every stage a config lists, wired through files, on a tiny verifier; bad configs fail first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.errors import EyasError
+from eyas.pipeline import run
+
+CONVERSATIONS = [
+    [{"from": "human", "value": f"Question {i}: what is {i} + {i}?"},
+     {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
+     {"from": "human", "value": "And times two?"},
+     {"from": "gpt", "value": f"That is {4 * i}."}]
+    for i in range(12)
+]  # fmt: skip
+
+
+def _config(tmp_path, verifier, body: str):
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["What is 2 + 2?"]}) + "\n")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "{verifier}"\n' +
+                   body.replace("DATA", str(data)).replace("PROMPTS", str(prompts)))  # fmt: skip
+    return cfg
+
+
+def test_run_wires_every_stage(make_tiny, tmp_path):
+    t = make_tiny("llama")
+    cfg = _config(tmp_path, t.path, """
+[prepare]
+data = "DATA"
+max_seq_len = 128
+num_proc = 1
+[vocab]
+draft_vocab_size = 128
+[extract]
+dtype = "fp32"
+[train]
+epochs = 1
+max_steps = 2
+max_seq_len = 128
+num_workers = 0
+val_ratio = 0.1
+[export]
+format = "eagle"
+[eval]
+prompts = "PROMPTS"
+max_new_tokens = 8
+""")
+    res = run(str(cfg))
+    out = tmp_path / "out"
+    for d in ("prepared", "vocab", "features", "draft", "draft-eagle", "eval"):
+        assert (out / d).is_dir(), d
+    assert json.loads((out / "draft-eagle" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert res["eval"]["lossless"] is True and "predicted_tau" in res["eval"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("[prepare]\ndata = 'x'\n[fly]\nx = 1\n", r"unknown key\(s\) \['fly'\]"),
+    ("[vocab]\ndraft_vocab = 3\n", r"\[vocab\] has no argument\(s\) \['draft_vocab'\]"),
+    ("speed = 3\n[vocab]\n", r"unknown key\(s\) \['speed'\]"),
+    ("", "no stage section"),
+])  # fmt: skip
+def test_bad_config_fails_before_any_stage(make_tiny, tmp_path, body, message):
+    cfg = _config(tmp_path, make_tiny("llama").path, body)
+    with pytest.raises(EyasError, match=message):
+        run(str(cfg))
+    assert not (tmp_path / "out").exists()
