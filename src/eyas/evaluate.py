@@ -757,7 +757,8 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
                                  min(len(base.tokens), len(spec.tokens)))  # fmt: skip
                     m.mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first,
                                          **_divergence(runners.base.model, ids, base.tokens, spec.tokens, first)})
-            answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True))
+            answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False))  # (5.17 warns otherwise)
             m.turns += 1
             bar.update(1)
             bar.set_postfix(tau=f"{acceptance_stats(m.accepted, K)['tau']:.2f}")

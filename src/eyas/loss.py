@@ -108,6 +108,12 @@ _chunk_fns: dict[bool, object] = {}
 def _chunk_fn(compiled: bool):
     """:func:`_soft_ce_chunk`, compiled once per process when asked (fuses the softmax passes on GPU)."""
     if compiled not in _chunk_fns:
+        if compiled:
+            import warnings
+
+            # Inductor notes (a UserWarning per compile) that it splits this softmax's long reduction over the
+            # draft vocab rather than fusing it online; known, harmless, and the split is what it should do here.
+            warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled on the fly")
         _chunk_fns[compiled] = torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
     return _chunk_fns[compiled]
 
