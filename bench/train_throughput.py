@@ -8,8 +8,11 @@ MFU counts the draft's matmul FLOPs per token (the work any EAGLE-3 trainer must
 logits and full-vocab argmax are not counted) against a measured bf16 peak (790 TFLOP/s on an H200, GPU.md):
 
     fc (once, no input grad): 2 * 2 * 3H*H
-    per TTT step, x3 for forward + backward: 2 * (2H*(heads + 2*kv)*hd + heads*hd*H + 3*H*I + H*N)
+    per TTT step, x3 for forward + backward: 2 * (2H*(heads + 2*kv)*hd + heads*hd*H + 3*H*I)
+    lm_head per TTT step: 2 * H*N, x3 (x2 with --freeze-lm-head: no weight gradient)
     attention per TTT step, x3: 4 * heads*hd * (causal pairs per token (T+1)/2 + k diagonal keys)
+
+    speculators' own setting (for a side-by-side run): --freeze-lm-head --no-full-vocab-accuracy
 
     python bench/train_throughput.py --preset llama8b --steps 50            # on the GPU
     torchrun --nproc-per-node 2 bench/train_throughput.py --preset llama8b  # DDP scaling; add --dist fsdp for FSDP2
@@ -33,11 +36,12 @@ import synthetic  # noqa: E402
 PEAK_BF16 = 790e12  # measured bf16 dense matmul on one H200 (shared/GPU.md)
 
 
-def draft_flops_per_token(d: synthetic.Dims, *, steps: int, seq_len: int) -> float:
+def draft_flops_per_token(d: synthetic.Dims, *, steps: int, seq_len: int, frozen_head: bool = False) -> float:
     H, hd, I, N = d.hidden, d.head_dim, d.intermediate, d.draft_vocab
-    per_step = 2 * (2 * H * (d.heads + 2 * d.kv_heads) * hd + d.heads * hd * H + 3 * H * I + H * N)
+    per_step = 2 * (2 * H * (d.heads + 2 * d.kv_heads) * hd + d.heads * hd * H + 3 * H * I)
     attn = sum(4 * d.heads * hd * ((seq_len + 1) / 2 + k) for k in range(steps))
-    return 2 * 2 * 3 * H * H + 3 * (steps * per_step + attn)
+    head = steps * 2 * H * N * (2 if frozen_head else 3)  # a frozen head has no weight gradient to compute
+    return 2 * 2 * 3 * H * H + 3 * (steps * per_step + attn) + head
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,12 +56,16 @@ def main(argv: list[str] | None = None) -> dict:
                    help="eagle3: all layout flags off (eyas' default); speculators: norm_before_residual, "
                         "norm_before_fc and norm_output on (speculators 0.9's defaults)")  # fmt: skip
     p.add_argument("--full-vocab-accuracy", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--freeze-lm-head", action="store_true", help="as speculators 0.9 always does")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--dist", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--profile-every", type=int, default=20)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "eyas-bench")
+    p.add_argument("--torch-profile", type=int, default=0, metavar="K",
+                   help="run torch.profiler over K steps after the first 15 and print its tables (to stderr)")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU, a few steps")
     a = p.parse_args(argv)
     if a.smoke:
@@ -85,21 +93,26 @@ def main(argv: list[str] | None = None) -> dict:
     layout = a.layout == "speculators"
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    prof = _profiler(a.torch_profile, wait=3 if a.smoke else 15) if a.torch_profile else None
     t0 = time.perf_counter()
     res = train(verifier=str(inp["verifier"]), data=str(inp["features"]), vocab=str(inp["vocab"]), out=str(out),
                 epochs=1, max_steps=a.steps, max_seq_len=a.seq_len, batch_tokens=batch, ttt_steps=a.ttt_steps,
                 val_ratio=0.0, num_workers=a.num_workers, log_every=a.log_every, save_every=0,
                 profile_every=a.profile_every, optimizer=a.optimizer, full_vocab_accuracy=a.full_vocab_accuracy,
-                compile=a.compile, dist=a.dist, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
+                compile=a.compile, dist=a.dist, freeze_lm_head=a.freeze_lm_head,
+                gradient_checkpointing=a.gradient_checkpointing, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
     wall = time.perf_counter() - t0
-    flops = draft_flops_per_token(d, steps=a.ttt_steps, seq_len=a.seq_len)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    flops = draft_flops_per_token(d, steps=a.ttt_steps, seq_len=a.seq_len, frozen_head=a.freeze_lm_head)
     tps = res["tokens_per_s"]
     result = {
         "bench": "eyas-train", "preset": a.preset, "dims": d.__dict__, "seq_len": a.seq_len, "world_size": world,
         "dist": a.dist if world > 1 else None,
         "tokens_per_step": batch * world,
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
-        "full_vocab_accuracy": a.full_vocab_accuracy, "steps": res["steps"], "tokens_per_s": round(tps, 1),
+        "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
+        "gradient_checkpointing": a.gradient_checkpointing, "steps": res["steps"], "tokens_per_s": round(tps, 1),
         "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
         "peak_memory_gib": round(res["peak_memory_bytes"] / 2**30, 2) if "peak_memory_bytes" in res else None,
         "draft_gflop_per_token": round(flops / 1e9, 3), "tflops": round(tps * flops / 1e12, 1),
@@ -110,6 +123,37 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         print(json.dumps(result))
     return result
+
+
+def _profiler(active: int, *, wait: int):
+    """torch.profiler over ``active`` optimizer steps after ``wait + 2``, stepped by the trainer's own step
+    (wrapped here, so eyas needs no profiling hooks); prints kernel and operator tables to stderr at the end."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from eyas import train as train_mod
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def report(p) -> None:
+        ka = p.key_averages()
+        dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"=== torch.profiler: {active} steps, by {dev}", file=sys.stderr)
+        print(ka.table(sort_by=dev, row_limit=45, max_name_column_width=70), file=sys.stderr)
+        print("=== by cpu_time_total", file=sys.stderr)
+        print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70), file=sys.stderr)
+
+    prof = profile(activities=acts, schedule=schedule(wait=wait, warmup=2, active=active, repeat=1),
+                   on_trace_ready=report)  # fmt: skip
+    prof.__enter__()
+    step = train_mod.Trainer.train_step
+
+    def stepped(self, item, timer):
+        step(self, item, timer)
+        prof.step()
+
+    train_mod.Trainer.train_step = stepped
+    return prof
 
 
 if __name__ == "__main__":

@@ -111,6 +111,40 @@ def test_batched_equals_one_row_at_a_time(make_tiny, tmp_path, monkeypatch):
     assert any(len(b) > 1 and len({lengths[i] for i in b}) > 1 for b in plan_batches(lengths[:5], 90))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_streamed_shard_is_standard_safetensors(tmp_path, dtype):
+    """The shard writer streams row pieces and hashes as it writes: safetensors' own loader reads the file as the
+    concatenation of the pieces, and the returned sha256 is the file's."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from eyas.features import shard_tensors, write_shard
+    from eyas.manifest import sha256_file
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 0, 17, 1]
+    ids = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
+    masks = [torch.rand(n, generator=g) > 0.5 for n in lengths]
+    states = [torch.randn(n, 4, 24, generator=g).to(dtype) for n in lengths]
+    scales = [torch.rand(4, generator=g) for _ in lengths] if dtype == torch.float8_e4m3fn else None
+    entry = write_shard(tmp_path, start=10, end=14, tensors=shard_tensors(ids, masks, states, scales), layer_ids=[1, 2, 3])
+    path = tmp_path / entry["file"]
+    assert entry["sha256"] == sha256_file(path) and entry["bytes"] == path.stat().st_size and entry["tokens"] == 23
+    got = load_file(path)
+    assert torch.equal(got["input_ids"], torch.cat(ids).int()) and torch.equal(got["loss_mask"], torch.cat(masks))
+    assert torch.equal(got["cu_seqlens"], torch.tensor([0, 5, 5, 22, 23]))
+    assert got["hidden_states"].dtype == dtype
+    assert torch.equal(got["hidden_states"].view(torch.uint8), torch.cat(states).view(torch.uint8))
+    if scales is not None:
+        assert torch.equal(got["hidden_states_scale"], torch.stack(scales))
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads(f.metadata()["eyas_features"])
+    assert meta["rows"] == [10, 14] and meta["layer_ids"] == [1, 2, 3]
+    again = write_shard(tmp_path / "again", start=10, end=14, tensors=shard_tensors(ids, masks, states, scales),
+                        layer_ids=[1, 2, 3])  # fmt: skip
+    assert again["sha256"] == entry["sha256"]  # deterministic: resume compares hashes
+
+
 def test_plans():
     import numpy as np
 

@@ -105,6 +105,31 @@ def test_sdpa_equals_eager_forward_and_grad():
     assert "embed_tokens.weight" not in results["sdpa"][1]  # frozen
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl):
+    """Recomputing each TTT step in backward (its attention re-run over the earlier steps' keys) changes nothing:
+    outputs and every gradient equal the stored-activation run's, in float64."""
+    torch.manual_seed(7)
+    T, steps = 16, 3
+    ids = torch.randint(0, V, (2, T))
+    aux = torch.randn(2, T, 3 * H, dtype=torch.float64)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 12 + [-1] * 4])
+    results = {}
+    for ckpt in (False, True):
+        model = _draft(seed=8, impl=impl).train()
+        model.gradient_checkpointing = ckpt
+        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids)
+        loss = sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
+        loss.backward()
+        results[ckpt] = ([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                      if p.grad is not None})  # fmt: skip
+    for a, b in zip(results[True][0], results[False][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert results[True][1].keys() == results[False][1].keys() and len(results[True][1]) > 5
+    for name, g in results[True][1].items():
+        torch.testing.assert_close(g, results[False][1][name], rtol=1e-12, atol=1e-14, msg=name)
+
+
 def test_context_builds_its_own_mask():
     """The SDPA context only ever builds dense boolean masks; flex is reserved to its own path."""
     ctx = TTTContext(torch.zeros(1, 5, dtype=torch.long), "sdpa")

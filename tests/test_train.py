@@ -127,6 +127,26 @@ def test_online_equals_offline(inputs, tmp_path):
         torch.testing.assert_close(sa[name], sb[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, tmp_path):
+    """Recomputing the layer in backward gives the run without it, step for step; a frozen lm_head (speculators'
+    setting) stays the verifier's rows while the rest learns."""
+    from safetensors.torch import load_file
+
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=4,
+              val_ratio=0.0, freeze_lm_head=True, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "plain"), **kw)
+    train(out=str(tmp_path / "ckpt"), gradient_checkpointing=True, **kw)
+    a, b = _final_state(tmp_path / "plain"), _final_state(tmp_path / "ckpt")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-8, msg=name)
+    start = load_file(Path(inputs["verifier"]) / "model.safetensors")
+    d2t = torch.from_numpy(np.load(Path(inputs["vocab"]) / "d2t.npy"))
+    rows = start["lm_head.weight"][torch.arange(len(d2t)) + d2t]
+    assert torch.equal(a["draft.lm_head.weight"], rows)
+    written = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert torch.equal(written["lm_head.weight"], rows.to(written["lm_head.weight"].dtype))
+
+
 def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     from eyas.checkpoint import load_draft, read_draft_config
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import queue
 import threading
 import time
@@ -44,9 +45,18 @@ from eyas.verifier import HiddenStateCapture
 
 SHARD_BYTES = 1 << 30  # target shard size on disk
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
-#: Shard writers: a GPU makes features faster than one thread can concatenate, write and hash them (SmolLM2
-#: on an H200: about 3 GB/s in bf16); on CPU the forward is the bottleneck and threads would compete with it.
-WRITER_THREADS = {"cuda": 4, "cpu": 1}
+#: Shard writers on CPU: there the forward is the bottleneck and more threads would compete with it.
+CPU_WRITER_THREADS = 1
+
+
+def default_writer_threads(cuda: bool) -> int:
+    """Shard writer threads: on a GPU, half this process's share of the host's cores (at most 8). A small
+    verifier makes features faster than one thread can write and hash them (SmolLM2 on an H200: about 3 GB/s
+    in bf16, where one thread writes and hashes 1-2 GB/s)."""
+    if not cuda:
+        return CPU_WRITER_THREADS
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks sharing this host under torchrun
+    return max(2, min(8, (os.cpu_count() or 8) // (2 * local)))
 PAD_ID = 0  # right padding: its value never reaches a stored row (causal attention)
 PROGRESS_GLOB = ".progress-*.json"
 MERGED_PROGRESS = ".progress-merged.json"
@@ -166,21 +176,50 @@ def assign_shards(tokens: Sequence[int], world_size: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- capture
 
 
-@dataclass
-class _Batch:
-    rows: list[int]  # positions within the shard
-    offsets: list[int]  # token offset of each row in `hidden`
-    hidden: torch.Tensor  # [N, 4, H] in the storage dtype, on the host (maybe still being copied)
-    scale: torch.Tensor | None  # fp8: [B, 4] float32
-    ready: Any = None  # a CUDA event recorded after the copy
+class _HostBuffers:
+    """Reusable host buffers, one per shard in flight, pinned when the verifier is on a GPU so that the
+    device-to-host copies land in them directly (DMA) and the writer streams them to disk as they are. Pinned
+    memory is slow to allocate (``cudaHostAlloc`` runs at a few GB/s and takes a driver lock the compute stream
+    waits on), so buffers are kept and reused rather than allocated per batch."""
+
+    GRAIN = 64 << 20  # sizes round up to this, so shards of slightly different sizes share buffers
+
+    def __init__(self, *, pinned: bool, keep: int) -> None:
+        self.pinned, self.keep = pinned, keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
+                self._free.remove(buf)
+                return buf
+        size = max(self.GRAIN, -(-nbytes // self.GRAIN) * self.GRAIN)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            while len(self._free) > self.keep:  # keep the largest
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
 
 
 @dataclass
 class _ShardJob:
+    """One shard on its way to disk: its rows, and the host buffer the batches' states are copied into at each
+    row's place in the file (so the file is written from it as is)."""
+
     start: int
     end: int
     rows: list[tuple[np.ndarray, np.ndarray]]
-    batches: list[_Batch] = field(default_factory=list)
+    buffer: torch.Tensor  # uint8, from _HostBuffers
+    hidden: torch.Tensor  # [N, 4, H] storage dtype: a view of `buffer`
+    offsets: np.ndarray  # [R + 1] token offset of each row in `hidden`
+    scales: torch.Tensor | None  # fp8: [R, 4] float32, filled from `pending` by the writer
+    ready: list[Any] = field(default_factory=list)  # CUDA events recorded after each batch's copies
+    pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # fp8: (rows, host scales [B, 4])
 
 
 class Extractor:
@@ -196,8 +235,10 @@ class Extractor:
         self.dtype = dtype
         self.batch_tokens = batch_tokens
         self.cuda = self.device.type == "cuda"
-        self.writer_threads = writer_threads or WRITER_THREADS["cuda" if self.cuda else "cpu"]
+        self.writer_threads = writer_threads or default_writer_threads(self.cuda)
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # kept across runs: a second run (the benchmark's, or the next rank's shards) reuses them
+        self.buffers = _HostBuffers(pinned=self.cuda, keep=self.writer_threads + 2)
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
         """The batch's ids, right-padded to its longest row: ``[B, T]`` int64 on the model's device."""
@@ -209,7 +250,9 @@ class Extractor:
 
     @torch.inference_mode()
     def _run_batch(self, cap: HiddenStateCapture, rows: list[tuple[np.ndarray, np.ndarray]],
-                   batch: list[int]) -> _Batch:  # fmt: skip
+                   batch: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """The batch's states ``[N, 4, H]`` (real tokens only, rows in batch order) in the storage dtype, on
+        the device, and for fp8 their scales ``[B, 4]``."""
         ids = self.padded(rows, batch)
         B, T = ids.shape
         lengths = [len(rows[r][0]) for r in batch]
@@ -220,39 +263,54 @@ class Extractor:
         # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
         # streams order the copy to the host below.
         hidden = cap.stacked(self.device)  # [N, 4, H]
-        scale = None
-        if self.dtype == "fp8":
-            row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
-            token_amax = hidden.abs().amax(-1).float()  # [N, 4]
-            amax = torch.zeros(B, NUM_STATES, device=hidden.device).scatter_reduce(
-                0, row_of[:, None].expand(-1, NUM_STATES), token_amax, "amax"
-            )  # [B, 4]
-            scale = features.fp8_scale(amax)
-            hidden = features.fp8_encode(hidden, scale[row_of][:, :, None])
-        else:
-            hidden = hidden.to(STORAGE_DTYPES[self.dtype])
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        return _Batch(batch, offsets, *self._to_host(hidden, scale))
+        if self.dtype != "fp8":
+            return hidden.to(STORAGE_DTYPES[self.dtype]), None
+        row_of = cap.index.to(hidden.device) // T  # [N]: the batch row of each real token (no host sync)
+        token_amax = hidden.abs().amax(-1).float()  # [N, 4]
+        amax = torch.zeros(B, NUM_STATES, device=hidden.device).scatter_reduce(
+            0, row_of[:, None].expand(-1, NUM_STATES), token_amax, "amax"
+        )  # [B, 4]
+        scale = features.fp8_scale(amax)
+        return features.fp8_encode(hidden, scale[row_of][:, :, None]), scale
 
-    def _to_host(self, hidden: torch.Tensor, scale: torch.Tensor | None) -> tuple:
+    def _new_job(self, start: int, end: int, rows: list[tuple[np.ndarray, np.ndarray]], H: int) -> _ShardJob:
+        offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in rows])]).astype(np.int64)
+        dt = STORAGE_DTYPES[self.dtype]
+        N = int(offsets[-1])
+        buf = self.buffers.acquire(N * NUM_STATES * H * dt.itemsize)
+        hidden = buf[: N * NUM_STATES * H * dt.itemsize].view(dt).view(N, NUM_STATES, H)
+        scales = torch.ones(len(rows), NUM_STATES) if self.dtype == "fp8" else None
+        return _ShardJob(start, end, rows, buf, hidden, offsets, scales)
+
+    def _stage(self, job: _ShardJob, batch: list[int], hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Copy each row of a batch's states to its place in the shard's host buffer; on a GPU the copies run
+        on a side stream, so the next batch's forward overlaps them."""
         if not self.cuda:
-            return hidden, scale, None
-        # Copy on a side stream into pinned memory so the next batch's forward overlaps the transfer.
+            off = 0
+            for j, r in enumerate(batch):
+                a, b = job.offsets[r], job.offsets[r + 1]
+                job.hidden[a:b].copy_(hidden[off : off + b - a])
+                off += b - a
+                if scale is not None:
+                    job.scales[r] = scale[j]
+            return
         compute = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute)
-        out = []
         with torch.cuda.stream(self._copy_stream):
-            for t in (hidden, scale):
-                if t is None:
-                    out.append(None)
-                    continue
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(self._copy_stream)  # keep the device memory alive until the copy is done
-                out.append(host)
+            off = 0
+            for r in batch:
+                a, b = job.offsets[r], job.offsets[r + 1]
+                job.hidden[a:b].copy_(hidden[off : off + b - a], non_blocking=True)
+                off += b - a
+            if scale is not None:
+                host = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=True)
+                host.copy_(scale, non_blocking=True)
+                job.pending.append((batch, host))
+                scale.record_stream(self._copy_stream)
+            hidden.record_stream(self._copy_stream)  # keep the device memory alive until the copies are done
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
-        return out[0], out[1], ready
+        job.ready.append(ready)
 
     def run(
         self,
@@ -276,22 +334,21 @@ class Extractor:
 
         total = int(sum(source.lengths[s:e].sum() for s, e in shards))
         H = self.backbone.get_input_embeddings().embedding_dim
-        writer = _Writer(Path(out), self.layer_ids, done, hidden_size=H, dtype=STORAGE_DTYPES[self.dtype],
-                         threads=self.writer_threads)  # fmt: skip
+        vocab = self.backbone.get_input_embeddings().num_embeddings
+        writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads)
         cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
         try:
             for start, end in shards:
                 writer.reserve()
                 rows = source.fetch(start, end)
-                vocab = self.backbone.get_input_embeddings().num_embeddings
                 for r, (ids, _) in enumerate(rows):
                     if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
                         raise EyasError(f"row {start + r} has token id {int(ids.max())} outside the verifier's "
                                         f"vocabulary of {vocab}: the prepared rows do not belong to this verifier")  # fmt: skip
-                job = _ShardJob(start, end, rows)
-                for batch in plan_batches(np.array([len(i) for i, _ in rows]), self.batch_tokens):
-                    job.batches.append(self._run_batch(cap, rows, batch))
+                job = self._new_job(start, end, rows, H)
+                for batch in plan_batches(np.diff(job.offsets), self.batch_tokens):
+                    self._stage(job, batch, *self._run_batch(cap, rows, batch))
                     bar.update(sum(len(rows[r][0]) for r in batch))
                 writer.submit(job)
             writer.close()
@@ -303,14 +360,13 @@ class Extractor:
 
 
 class _Writer:
-    """Assembles shards from their batches and writes them on background threads (concatenating, writing and
-    hashing all release the GIL, so they overlap the forward passes and each other). At most ``threads + 1``
-    shards are in flight, which bounds host memory and makes compute wait when the disk is the bottleneck."""
+    """Writes finished shards on background threads (writing and hashing release the GIL, so they overlap the
+    forward passes and each other). At most ``threads + 1`` shards are in flight, which bounds host memory and
+    makes compute wait when the disk is the bottleneck."""
 
     def __init__(self, out: Path, layer_ids: list[int], done: Callable[[dict[str, Any]], None], *,
-                 hidden_size: int, dtype: torch.dtype, threads: int = 1) -> None:  # fmt: skip
-        self.out, self.layer_ids, self.done = out, layer_ids, done
-        self.hidden_size, self.dtype = hidden_size, dtype
+                 buffers: _HostBuffers, threads: int = 1) -> None:  # fmt: skip
+        self.out, self.layer_ids, self.done, self.buffers = out, layer_ids, done, buffers
         self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
         self._slots = threading.Semaphore(threads + 1)
         self.error: BaseException | None = None
@@ -355,29 +411,21 @@ class _Writer:
                 self._slots.release()
 
     def _write(self, job: _ShardJob) -> dict[str, Any]:
-        where: dict[int, tuple[_Batch, int, int]] = {}
-        for b in job.batches:
-            if b.ready is not None:
-                b.ready.synchronize()
-            for j, (r, off) in enumerate(zip(b.rows, b.offsets)):
-                where[r] = (b, j, off)
-        hidden, scales = [], []
-        for r, (ids, _) in enumerate(job.rows):
-            if r in where:
-                b, j, off = where[r]
-                hidden.append(b.hidden[off : off + len(ids)])
-                scales.append(b.scale[j] if b.scale is not None else None)
-            else:  # an empty row
-                hidden.append(torch.empty(0, NUM_STATES, self.hidden_size, dtype=self.dtype))
-                scales.append(torch.ones(NUM_STATES))
-        fp8 = self.dtype == torch.float8_e4m3fn
-        tensors = features.shard_tensors(
-            [torch.from_numpy(i) for i, _ in job.rows],
-            [torch.from_numpy(m) for _, m in job.rows],
-            hidden,
-            scales if fp8 else None,
-        )
-        return features.write_shard(self.out, start=job.start, end=job.end, tensors=tensors, layer_ids=self.layer_ids)
+        for ev in job.ready:
+            ev.synchronize()
+        for batch, host in job.pending:
+            job.scales[batch] = host
+        try:
+            tensors = features.shard_tensors(
+                [torch.from_numpy(i) for i, _ in job.rows],
+                [torch.from_numpy(m) for _, m in job.rows],
+                [job.hidden],  # one piece: the rows are already in file order
+                list(job.scales) if job.scales is not None else None,
+            )
+            return features.write_shard(self.out, start=job.start, end=job.end, tensors=tensors,
+                                        layer_ids=self.layer_ids)  # fmt: skip
+        finally:
+            self.buffers.release(job.buffer)
 
 
 # --------------------------------------------------------------------------- progress

@@ -119,19 +119,68 @@ def shard_tensors(
     loss_mask: list[torch.Tensor],
     hidden_states: list[torch.Tensor],
     scales: list[torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """One shard's tensors from its rows in order: per row ids ``[T]``, mask ``[T]``, states ``[T, 4, H]``
-    (already in the storage dtype) and, for fp8, its scales ``[4]``."""
+) -> dict[str, list[torch.Tensor]]:
+    """One shard's tensors from its rows in order, as pieces to be concatenated along dim 0 on write: per row
+    ids ``[T]``, mask ``[T]``, states ``[T, 4, H]`` (already in the storage dtype) and, for fp8, its scales
+    ``[4]``. The states are not copied here: :func:`write_shard` streams each row's slice to the file."""
     lengths = torch.tensor([0] + [len(t) for t in input_ids], dtype=torch.int64)
     out = {
-        "input_ids": torch.cat(input_ids).to(torch.int32),
-        "loss_mask": torch.cat(loss_mask).to(torch.bool),
-        "cu_seqlens": torch.cumsum(lengths, 0),
-        "hidden_states": torch.cat(hidden_states).contiguous(),  # [N, 4, H]
+        "input_ids": [torch.cat(input_ids).to(torch.int32)],
+        "loss_mask": [torch.cat(loss_mask).to(torch.bool)],
+        "cu_seqlens": [torch.cumsum(lengths, 0)],
+        "hidden_states": list(hidden_states),  # R pieces [T_r, 4, H] -> [N, 4, H]
     }
     if scales is not None:
-        out["hidden_states_scale"] = torch.stack(scales).to(torch.float32)  # [R, 4]
+        out["hidden_states_scale"] = [torch.stack(scales).to(torch.float32)]  # [R, 4]
     return out
+
+
+#: safetensors' names of the dtypes a shard holds.
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}  # fmt: skip
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    t = t.detach().contiguous()
+    return memoryview(t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy()).cast("B")
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:
+    """Write a safetensors file from tensors given as pieces (concatenated along dim 0 in the file) and return
+    its sha256, computed from the same buffers as they are written: one pass over the data, no concatenated
+    copy and no re-read (``safetensors.save_file`` needs one contiguous tensor each, and hashing after it reads
+    the file back). Tensors go in order of decreasing item size, then name, so every one is aligned to its item
+    size (the header is padded to 8 bytes, as safetensors pads it); the output is deterministic."""
+    import hashlib
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    order = sorted(tensors, key=lambda k: (-tensors[k][0].dtype.itemsize, k))
+    offset = 0
+    for name in order:
+        pieces = tensors[name]
+        rest = tuple(pieces[0].shape[1:])
+        if any(tuple(p.shape[1:]) != rest or p.dtype != pieces[0].dtype for p in pieces):
+            raise ValueError(f"{name}: pieces of different trailing shapes or dtypes")
+        shape = [sum(p.shape[0] for p in pieces), *rest]
+        nbytes = int(np.prod(shape)) * pieces[0].dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[pieces[0].dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            f.write(chunk)
+            h.update(chunk)
+        for name in order:
+            for piece in tensors[name]:
+                if piece.numel():
+                    mv = _bytes_of(piece)
+                    h.update(mv)  # hashlib and unbuffered writes release the GIL: writer threads overlap
+                    while mv:  # a raw write may be partial
+                        mv = mv[f.write(mv) :]
+    return h.hexdigest()
 
 
 def write_shard(
@@ -139,26 +188,22 @@ def write_shard(
     *,
     start: int,
     end: int,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, list[torch.Tensor]],
     layer_ids: list[int],
 ) -> dict[str, Any]:
-    """Write one shard atomically (safetensors writes straight from the tensors' memory, no serialized copy)
-    and return its manifest entry, with the sha256 of the file as written."""
-    from safetensors.torch import save_file
-
+    """Write one shard (pieces as :func:`shard_tensors` returns them) atomically and return its manifest
+    entry, with the sha256 of the file as written."""
     hs = tensors["hidden_states"]
-    dtype = next(k for k, v in STORAGE_DTYPES.items() if v == hs.dtype)
-    if len(tensors["cu_seqlens"]) != end - start + 1:
-        raise ValueError(f"shard rows [{start}, {end}) but {len(tensors['cu_seqlens']) - 1} rows of data")
-    # One metadata key: safetensors keeps metadata in a hash map whose order changes from run to run, and a
-    # rerun must write the same bytes (resume is checked by hash).
+    dtype = next(k for k, v in STORAGE_DTYPES.items() if hs and v == hs[0].dtype) if hs else None
+    R = sum(len(c) for c in tensors["cu_seqlens"]) - 1
+    if R != end - start or not hs:
+        raise ValueError(f"shard rows [{start}, {end}) but {R} rows of data")
     info = {"format": FORMAT, "rows": [start, end], "layer_ids": layer_ids, "dtype": dtype}
     name = shard_name(start, end)
     with atomic_path(Path(out_dir) / name) as tmp:
-        save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(info, sort_keys=True)})
-        digest = sha256_file(tmp)  # from the page cache; hashlib and file I/O release the GIL
+        digest = write_safetensors(tmp, tensors, {METADATA_KEY: json.dumps(info, sort_keys=True)})
         size = tmp.stat().st_size
-    return {"file": name, "rows": [start, end], "tokens": int(tensors["cu_seqlens"][-1]), "bytes": size,
+    return {"file": name, "rows": [start, end], "tokens": int(tensors["cu_seqlens"][-1][-1]), "bytes": size,
             "sha256": digest}  # fmt: skip
 
 

@@ -234,11 +234,15 @@ class TTTContext:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._block_masks: dict[int, Any] = {}
+        self.step = 0  # the TTT step the next :meth:`attend` call belongs to
 
-    @property
-    def step(self) -> int:
-        """The TTT step the next :meth:`attend` call belongs to."""
-        return len(self.keys)
+    def begin(self, step: int) -> None:
+        """Start TTT step ``step``. With activation checkpointing a step is run again during backward: its
+        :meth:`attend` then replaces that step's keys and values (equal to the first run's) instead of
+        appending, and sees the same earlier steps it saw the first time."""
+        if step > len(self.keys):
+            raise ValueError(f"TTT step {step} begun before step {len(self.keys)}")
+        self.step = step
 
     def _dense_mask(self, k: int) -> torch.Tensor:
         B, T = self.doc_ids.shape
@@ -275,6 +279,7 @@ class TTTContext:
         """q [B,h,T,d]; k/v [B,kv,T,d] of the current step; returns [B,h,T,d]. (Positions are implied by
         the step and index; the argument keeps one signature with :class:`DraftCache`.)"""
         step = self.step
+        del self.keys[step:], self.values[step:]  # a recomputed step drops its first run's (equal) keys
         self.keys.append(k)
         self.values.append(v)
         keys = torch.cat(self.keys, dim=2)  # [B, kv, (step+1)*T, d]
@@ -435,6 +440,9 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         self.attn_implementation: AttnImpl = attn_implementation
+        # Recompute each TTT step's decoder layer in backward instead of keeping its activations (transformers'
+        # name for it): activations shrink to the steps' inputs and outputs, for about a third more layer compute.
+        self.gradient_checkpointing = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen: the verifier's
         self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
@@ -519,7 +527,17 @@ class Eagle3Draft(nn.Module):
         outputs = []
         for k in range(steps):
             ids = F.pad(input_ids[:, 1 + k :], (0, 1 + k))  # [B, T]: x_{t+1+k}
-            normed, hidden = self.step(ids, hidden, position_ids + k, context)
+
+            def run(ids, hidden, positions, k=k):
+                context.begin(k)
+                return self.step(ids, hidden, positions, context)
+
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                normed, hidden = checkpoint(run, ids, hidden, position_ids + k, use_reentrant=False)
+            else:
+                normed, hidden = run(ids, hidden, position_ids + k)
             outputs.append(normed)
         return outputs
 

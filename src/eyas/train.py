@@ -434,6 +434,37 @@ class Trainer:
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
+    def _prefetch(self, items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The loader's items with their tensors already on the device: on CUDA the next item's host-to-device
+        copies run on a side stream while the current step computes (a step's features are 16 bytes per
+        token and hidden unit, about 1 ms of copy per step at Llama-8B dims that the compute stream would wait
+        for)."""
+        if not self.cuda:
+            yield from items
+            return
+        side = torch.cuda.Stream(self.device)
+
+        def load(item: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event]:
+            side.wait_stream(torch.cuda.current_stream(self.device))  # its memory may be reused from this stream
+            with torch.cuda.stream(side):
+                moved = dict(item, denom=item["denom"].to(self.device, non_blocking=True),
+                             micro_batches=[self._to_device(mb) for mb in item["micro_batches"]])  # fmt: skip
+                ready = torch.cuda.Event()
+                ready.record(side)
+            return moved, ready
+
+        nxt = next(items, None)
+        pending = load(nxt) if nxt is not None else None
+        while pending is not None:
+            item, ready = pending
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(ready)
+            for t in [item["denom"], *(v for mb in item["micro_batches"] for v in mb.values())]:
+                t.record_stream(compute)  # allocated on the side stream, used (and freed) on this one
+            nxt = next(items, None)
+            pending = load(nxt) if nxt is not None else None
+            yield item
+
     def train_step(self, item: dict[str, Any], timer: _Timer) -> None:
         denom = item["denom"].to(self.device, non_blocking=True)
         mbs = item["micro_batches"]
@@ -583,7 +614,7 @@ class Trainer:
         try:
             while self.epoch < o.epochs and self.global_step < self.total:
                 steps = self.plans[self.epoch]
-                it = iter(self._loader(steps[self.step_in_epoch :], o.grad_accum))
+                it = self._prefetch(iter(self._loader(steps[self.step_in_epoch :], o.grad_accum)))
                 window = time.perf_counter()
                 while self.step_in_epoch < len(steps) and self.global_step < self.total:
                     timer = _Timer(self.device, bool(o.profile_every) and self.global_step % o.profile_every == 0)
@@ -673,6 +704,7 @@ def train(
     dist: Literal["ddp", "fsdp"] = "ddp",
     device: str | None = None,
     compile: bool | None = None,
+    gradient_checkpointing: bool = False,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
     norm_output: bool = False,
@@ -721,6 +753,8 @@ def train(
         dist: under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).
         device: cpu, cuda or cuda:N (default: cuda when there is one).
         compile: torch.compile the draft layer and the loss (default: on CUDA).
+        gradient_checkpointing: recompute each TTT step's layer in backward: far less activation memory (long
+            sequences, big drafts) for about a third more layer compute.
         norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
         norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
         norm_output: layout flag: feed the normed output to the next step.
@@ -863,12 +897,19 @@ def _train(d, **a: Any) -> dict[str, Any]:
         draft.init_from_verifier(embed=heads.embed, lm_head_rows=heads.lm_head[target_ids])
         draft.set_vocab(d2t=d2t, t2d=t2d)
         draft.lm_head.weight.requires_grad_(not a["freeze_lm_head"])
+        draft.gradient_checkpointing = a["gradient_checkpointing"]
         draft.to(where)
         draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
+        if a["freeze_lm_head"] and not (d.active and a["dist"] == "fsdp"):  # (an FSDP2 unit wants one dtype)
+            draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
         use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
+        frozen = draft.lm_head.weight
+        # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
+        rows = frozen.detach() if a["freeze_lm_head"] and frozen.dtype == compute_dtype else \
+            heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
         head = TargetHead(norm=build_final_norm(info, dtype=compute_dtype, device=str(where)),
-                          rows=heads.lm_head[target_ids].to(where, compute_dtype), draft_target_ids=target_ids.to(where),
+                          rows=rows, draft_target_ids=target_ids.to(where),
                           rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
                           rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
         del heads

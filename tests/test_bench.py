@@ -1,0 +1,30 @@
+"""The benchmark scripts still run (CPU smoke mode): they drive eyas' internals directly, so a refactor that
+breaks them should fail here, not on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize("script,extra", [("extract_throughput.py", []),
+                                          ("train_throughput.py", ["--torch-profile", "2"])])  # fmt: skip
+def test_bench_smoke(tmp_path, script, extra):
+    args = [sys.executable, str(BENCH / script), "--smoke", *extra]
+    if script == "train_throughput.py":
+        args += ["--workdir", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["smoke"] is True if "smoke" in result else result["preset"] == "smoke"
+    if script == "extract_throughput.py":
+        assert result["bytes_per_token_fp8"] < result["bytes_per_token_bf16"] and result["extract_bf16_tokens_per_s"] > 0
+    else:
+        assert result["steps"] == 6 and result["tokens_per_s"] > 0
+        assert "torch.profiler" in r.stderr
