@@ -145,6 +145,22 @@ def test_streamed_shard_is_standard_safetensors(tmp_path, dtype):
     assert again["sha256"] == entry["sha256"]  # deterministic: resume compares hashes
 
 
+def test_host_buffers_are_reused_by_identity():
+    """Shard buffers come back to the pool and are handed out again (the smallest that fits); the pool keeps at
+    most ``keep`` of them, the largest."""
+    from eyas.extract import _HostBuffers
+
+    grain = _HostBuffers.GRAIN
+    pool = _HostBuffers(pinned=False, keep=2)
+    a, b, c = pool.acquire(grain + 1), pool.acquire(10), pool.acquire(3 * grain)
+    assert (a.numel(), b.numel(), c.numel()) == (2 * grain, grain, 3 * grain)
+    for buf in (a, b, c):
+        pool.release(buf)
+    assert sorted(x.numel() for x in pool._free) == [2 * grain, 3 * grain]  # the smallest was dropped
+    assert pool.acquire(5) is a and pool.acquire(5) is c
+    assert pool.acquire(5) is not b and not pool._free
+
+
 def test_plans():
     import numpy as np
 

@@ -190,12 +190,10 @@ class _HostBuffers:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+        with self._lock:  # (buffers are told apart by identity: `list.remove` would compare tensors' values)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
-                return buf
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         size = max(self.GRAIN, -(-nbytes // self.GRAIN) * self.GRAIN)
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
 
@@ -203,7 +201,7 @@ class _HostBuffers:
         with self._lock:
             self._free.append(buf)
             while len(self._free) > self.keep:  # keep the largest
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 @dataclass
