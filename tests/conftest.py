@@ -19,6 +19,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SPECULATORS_DIR = Path(os.environ.get("EYAS_SPECULATORS_DIR") or Path(sys.prefix) / "speculators-0.9.0")
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test: tiny models run fastest that way on the shared 2-core machines, and runs
+    that are compared bit for bit (extract, train, eval) compute the same in every process. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def speculators_dir() -> Path:
     if not (SPECULATORS_DIR / "speculators").is_dir():

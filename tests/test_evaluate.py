@@ -28,13 +28,7 @@ PROMPTS = ["Tell me about dogs.", "What is 2+2?", "Write some python code"]
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and other jobs share these two cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _chisq_pvalue(stat: float, df: int) -> float:

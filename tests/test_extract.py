@@ -25,13 +25,7 @@ from eyas.features import FeatureReader, shard_name, verify
 EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: faster on shared 2-core machines, and the same in every process we compare."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[tuple[list[int], list[int]]]:

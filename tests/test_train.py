@@ -22,13 +22,7 @@ from eyas.train import STATE_FILE, checkpoint_dirs, train
 COMMON = dict(max_seq_len=64, num_workers=0, log_every=2, warmup_steps=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two loaded cores: one compute thread per process is faster here and keeps runs bit-reproducible."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(n: int, seed: int, vocab: int = tiny.VOCAB) -> list[tuple[list[int], list[int]]]:

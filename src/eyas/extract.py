@@ -216,7 +216,7 @@ class _ShardJob:
     hidden: torch.Tensor  # [N, 4, H] storage dtype: a view of `buffer`
     offsets: np.ndarray  # [R + 1] token offset of each row in `hidden`
     scales: torch.Tensor | None  # fp8: [R, 4] float32, filled from `pending` by the writer
-    ready: list[Any] = field(default_factory=list)  # CUDA events recorded after each batch's copies
+    ready: list[Any] = field(default_factory=list)  # CUDA: events recorded after each batch's copies
     pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # fp8: (rows, host scales [B, 4])
 
 
@@ -275,40 +275,34 @@ class Extractor:
         offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in rows])]).astype(np.int64)
         dt = STORAGE_DTYPES[self.dtype]
         N = int(offsets[-1])
-        buf = self.buffers.acquire(N * NUM_STATES * H * dt.itemsize)
-        hidden = buf[: N * NUM_STATES * H * dt.itemsize].view(dt).view(N, NUM_STATES, H)
+        nbytes = N * NUM_STATES * H * dt.itemsize
+        buf = self.buffers.acquire(nbytes)
+        hidden = buf[:nbytes].view(dt).view(N, NUM_STATES, H)
         scales = torch.ones(len(rows), NUM_STATES) if self.dtype == "fp8" else None
         return _ShardJob(start, end, rows, buf, hidden, offsets, scales)
 
     def _stage(self, job: _ShardJob, batch: list[int], hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
         """Copy each row of a batch's states to its place in the shard's host buffer; on a GPU the copies run
         on a side stream, so the next batch's forward overlaps them."""
-        if not self.cuda:
-            off = 0
-            for j, r in enumerate(batch):
-                a, b = job.offsets[r], job.offsets[r + 1]
-                job.hidden[a:b].copy_(hidden[off : off + b - a])
-                off += b - a
-                if scale is not None:
-                    job.scales[r] = scale[j]
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self._copy_stream):
+        if self.cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream) if self.cuda else contextlib.nullcontext():
             off = 0
             for r in batch:
                 a, b = job.offsets[r], job.offsets[r + 1]
-                job.hidden[a:b].copy_(hidden[off : off + b - a], non_blocking=True)
+                job.hidden[a:b].copy_(hidden[off : off + b - a], non_blocking=self.cuda)
                 off += b - a
             if scale is not None:
-                host = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=True)
-                host.copy_(scale, non_blocking=True)
+                host = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=self.cuda)
+                host.copy_(scale, non_blocking=self.cuda)
                 job.pending.append((batch, host))
-                scale.record_stream(self._copy_stream)
-            hidden.record_stream(self._copy_stream)  # keep the device memory alive until the copies are done
-            ready = torch.cuda.Event()
-            ready.record(self._copy_stream)
-        job.ready.append(ready)
+            if self.cuda:
+                for t in (hidden, scale):
+                    if t is not None:
+                        t.record_stream(self._copy_stream)  # keep the device memory alive until the copies are done
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+                job.ready.append(ready)
 
     def run(
         self,
@@ -409,11 +403,11 @@ class _Writer:
                 self._slots.release()
 
     def _write(self, job: _ShardJob) -> dict[str, Any]:
-        for ev in job.ready:
-            ev.synchronize()
-        for batch, host in job.pending:
-            job.scales[batch] = host
         try:
+            for ev in job.ready:
+                ev.synchronize()
+            for batch, host in job.pending:
+                job.scales[batch] = host
             tensors = features.shard_tensors(
                 [torch.from_numpy(i) for i, _ in job.rows],
                 [torch.from_numpy(m) for _, m in job.rows],

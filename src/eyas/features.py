@@ -51,6 +51,7 @@ fingerprint, the prepared rows' hashes) and ``settings``: ``format``,
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 from collections import OrderedDict
@@ -142,8 +143,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
-    t = t.detach().contiguous()
-    return memoryview(t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy()).cast("B")
+    return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:
@@ -152,8 +152,6 @@ def write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metada
     copy and no re-read (``safetensors.save_file`` needs one contiguous tensor each, and hashing after it reads
     the file back). Tensors go in order of decreasing item size, then name, so every one is aligned to its item
     size (the header is padded to 8 bytes, as safetensors pads it); the output is deterministic."""
-    import hashlib
-
     header: dict[str, Any] = {"__metadata__": metadata}
     order = sorted(tensors, key=lambda k: (-tensors[k][0].dtype.itemsize, k))
     offset = 0
@@ -193,11 +191,10 @@ def write_shard(
 ) -> dict[str, Any]:
     """Write one shard (pieces as :func:`shard_tensors` returns them) atomically and return its manifest
     entry, with the sha256 of the file as written."""
-    hs = tensors["hidden_states"]
-    dtype = next(k for k, v in STORAGE_DTYPES.items() if hs and v == hs[0].dtype) if hs else None
     R = sum(len(c) for c in tensors["cu_seqlens"]) - 1
-    if R != end - start or not hs:
+    if R != end - start or not tensors["hidden_states"]:
         raise ValueError(f"shard rows [{start}, {end}) but {R} rows of data")
+    dtype = next(k for k, v in STORAGE_DTYPES.items() if v == tensors["hidden_states"][0].dtype)
     info = {"format": FORMAT, "rows": [start, end], "layer_ids": layer_ids, "dtype": dtype}
     name = shard_name(start, end)
     with atomic_path(Path(out_dir) / name) as tmp:

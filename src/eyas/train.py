@@ -431,8 +431,11 @@ class Trainer:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
                               targets.logits, targets.argmax, targets.in_vocab, denom)  # fmt: skip
 
-    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+    def _to_device(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A loader item with its tensors (``denom`` and every micro-batch's) moved to the device."""
+        return dict(item, denom=item["denom"].to(self.device, non_blocking=True),
+                    micro_batches=[{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+                                   for mb in item["micro_batches"]])  # fmt: skip
 
     def _prefetch(self, items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """The loader's items with their tensors already on the device: on CUDA the next item's host-to-device
@@ -440,15 +443,14 @@ class Trainer:
         token and hidden unit, about 1 ms of copy per step at Llama-8B dims that the compute stream would wait
         for)."""
         if not self.cuda:
-            yield from items
+            yield from map(self._to_device, items)
             return
         side = torch.cuda.Stream(self.device)
 
         def load(item: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event]:
             side.wait_stream(torch.cuda.current_stream(self.device))  # its memory may be reused from this stream
             with torch.cuda.stream(side):
-                moved = dict(item, denom=item["denom"].to(self.device, non_blocking=True),
-                             micro_batches=[self._to_device(mb) for mb in item["micro_batches"]])  # fmt: skip
+                moved = self._to_device(item)
                 ready = torch.cuda.Event()
                 ready.record(side)
             return moved, ready
@@ -466,11 +468,11 @@ class Trainer:
             yield item
 
     def train_step(self, item: dict[str, Any], timer: _Timer) -> None:
-        denom = item["denom"].to(self.device, non_blocking=True)
-        mbs = item["micro_batches"]
+        """One optimizer step on an item from :meth:`_prefetch` (its tensors on the device)."""
+        denom, mbs = item["denom"], item["micro_batches"]
         for i, mb in enumerate(mbs):
             with self._sync(i == len(mbs) - 1):
-                loss, stats = self._forward(self._to_device(mb), denom)
+                loss, stats = self._forward(mb, denom)
                 timer.mark("forward")
                 (loss * self.loss_factor).backward()
                 timer.mark("backward")
@@ -492,10 +494,9 @@ class Trainer:
         if not self.val_plan:
             return None
         meter = Meter(self.o.ttt_steps, self.device)
-        for item in self._loader(self.val_plan, 1):
-            denom = item["denom"].to(self.device)
+        for item in self._prefetch(iter(self._loader(self.val_plan, 1))):
             for mb in item["micro_batches"]:
-                loss, stats = self._forward(self._to_device(mb), denom)
+                loss, stats = self._forward(mb, item["denom"])
                 meter.add(loss, stats)
         return meter.collect(self.d)
 
@@ -904,9 +905,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
         use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
-        frozen = draft.lm_head.weight
+        head_w = draft.lm_head.weight
         # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
-        rows = frozen.detach() if a["freeze_lm_head"] and frozen.dtype == compute_dtype else \
+        rows = head_w.detach() if a["freeze_lm_head"] and head_w.dtype == compute_dtype else \
             heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
         head = TargetHead(norm=build_final_norm(info, dtype=compute_dtype, device=str(where)),
                           rows=rows, draft_target_ids=target_ids.to(where),
