@@ -11,13 +11,17 @@ length-sorted, right-padded batches, same dtype, no hooks, nothing kept). Both r
     PYTHONPATH=src python3 bench/extract_throughput.py --smoke
 
 Runs, in order: warm-up, bare forward, capture only (forward + hooks + gather + device-to-host copy, nothing
-written), extract bf16, extract fp8, bare forward again. Prints one JSON line: tokens/s of each, the ratios
-against the mean of the two bare runs, bytes per token of bf16 and fp8 as written, and the write bandwidth.
+written; bf16 and fp8), extract bf16 and fp8 into each --out, bare forward again. Prints one JSON line: tokens/s
+of each, the ratios against the mean of the two bare runs, bytes per token as written, the write bandwidth, and
+where the time went (waits for a free writer, the final drain). Two extraction rates: end to end, and over the
+forward loop only (waits for writers included): the steady state of a long run, whose one fixed cost, writing the
+last shards after the last forward (``drain_s``, at most a shard per writer), does not grow with the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import shutil
@@ -116,16 +120,26 @@ def capture_only(extractor: Extractor, source, shards) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def extract_run(extractor: Extractor, source, shards, out: Path) -> tuple[float, float]:
+def extract_run(extractor: Extractor, source, shards, out: Path) -> dict:
+    """One extraction into ``out``; each shard is deleted as soon as it is durably written (its bytes
+    counted), so a long run fits in RAM or on a small disk. Returns the run's figures."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    tokens = int(sum(source.lengths[s:e].sum() for s, e in shards))
-    t0 = time.perf_counter()
-    extractor.run(source, shards, out, progress=False)  # returns when every shard is written and fsynced
-    dt = time.perf_counter() - t0
-    nbytes = sum(p.stat().st_size for p in out.glob("rows_*.safetensors"))
+    extractor.run(source, shards, out, progress=False, on_shard=lambda e: (out / e["file"]).unlink())
+    st = extractor.stats
     shutil.rmtree(out, ignore_errors=True)
-    return tokens / dt, nbytes / tokens
+    return {"tokens_per_s": st.tokens / st.seconds, "loop_tokens_per_s": st.loop_tokens_per_s,
+            "bytes_per_token": st.bytes / st.tokens, "seconds": st.seconds, "waited_s": st.waited_s,
+            "drain_s": st.drain_s, "write_GBps_per_thread": st.write_GBps_per_thread,
+            "write_GBps": st.bytes / st.seconds / 1e9}  # fmt: skip
+
+
+def hash_GBps(nbytes: int = 256 << 20) -> float:
+    """One thread's sha256 rate on this host (the writers hash every byte they write)."""
+    data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)).cast("B")
+    t0 = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> None:
@@ -139,7 +153,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: eyas extract's (32768 on CUDA)")
     ap.add_argument("--writer-threads", type=int, default=None)
-    ap.add_argument("--out", default=None, help="where shards are written (deleted after each run); default: a temp dir")
+    ap.add_argument("--out", action="append", default=None,
+                    help="where shards are written (each deleted once written); repeat to measure several places "
+                         "(RAM, local disk) in one run; default: a temp dir")
     ap.add_argument("--device", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few rows: checks the script runs")
     args = ap.parse_args()
@@ -169,23 +185,29 @@ def main() -> None:
         EX = make("bf16")
         shards = {d: plan_shards(source.lengths, SHARD_BYTES // bytes_per_token(info.hidden_size, d))
                   for d in ("bf16", "fp8")}  # fmt: skip
-        out = Path(args.out) if args.out else tmp / "features"
+        outs = [Path(o) for o in args.out] if args.out else [tmp / "features"]
         # warm-up, one whole pass: CUDA context, allocator, and cuBLAS' first call on every batch shape (the
         # first pass runs at half speed on an H200)
         bare(source, shards["bf16"])
         capture_only(EX, source, shards["bf16"][:1])
-        # warm-up of the writer path: as many (pinned) shard buffers as can be in flight, allocated once
-        extract_run(EX, source, shards["bf16"][: EX.writer_threads + 1], out)
-        bare1 = bare(source, shards["bf16"])
-        cap = capture_only(EX, source, shards["bf16"])
-        bf16, bpt_bf16 = extract_run(EX, source, shards["bf16"], out)
         ex8 = make("fp8")
         ex8.buffers = EX.buffers
-        fp8, bpt_fp8 = extract_run(ex8, source, shards["fp8"], out)
+        # warm-up of the writer path: as many (pinned) shard buffers as can be in flight, allocated once
+        extract_run(EX, source, shards["bf16"][: EX.writer_threads + 1], outs[0])
+        bare1 = bare(source, shards["bf16"])
+        cap = {"bf16": capture_only(EX, source, shards["bf16"]), "fp8": capture_only(ex8, source, shards["fp8"])}
+        runs = {str(o): {"bf16": extract_run(EX, source, shards["bf16"], o),
+                         "fp8": extract_run(ex8, source, shards["fp8"], o)} for o in outs}  # fmt: skip
         bare2 = bare(source, shards["bf16"])
         base = (bare1 + bare2) / 2
         padded = sum(len(b) * source.lengths[s + b[0]] for s, e in shards["bf16"]
                      for b in plan_batches(source.lengths[s:e], batch_tokens))  # fmt: skip
+        for where in runs.values():
+            for r in where.values():
+                r["ratio"] = round(r["tokens_per_s"] / base, 3)
+                r["ratio_loop"] = round(r["loop_tokens_per_s"] / base, 3)
+                for k, v in r.items():
+                    r[k] = round(v, 3) if isinstance(v, float) and v < 100 else round(v)
         result = {
             "bench": "extract_throughput",
             "verifier": info.path,
@@ -198,20 +220,13 @@ def main() -> None:
             "padding_fraction": round(1 - int(source.lengths.sum()) / int(padded), 4),
             "batch_tokens": batch_tokens,
             "writer_threads": EX.writer_threads,
-            "shards_bf16": len(shards["bf16"]),
+            "shards": {d: len(v) for d, v in shards.items()},
             "model_load_s": round(load_s, 1),
+            "sha256_GBps_one_thread": round(hash_GBps(), 2),
             "bare_tokens_per_s": [round(bare1), round(bare2)],
-            "capture_only_tokens_per_s": round(cap),
-            "extract_bf16_tokens_per_s": round(bf16),
-            "extract_fp8_tokens_per_s": round(fp8),
-            "ratio_capture_only": round(cap / base, 3),
-            "ratio_bf16": round(bf16 / base, 3),
-            "ratio_fp8": round(fp8 / base, 3),
-            "bytes_per_token_bf16": round(bpt_bf16, 1),
-            "bytes_per_token_fp8": round(bpt_fp8, 1),
-            "write_GBps_bf16": round(bf16 * bpt_bf16 / 1e9, 2),
-            "write_GBps_fp8": round(fp8 * bpt_fp8 / 1e9, 2),
-            "out": str(out),
+            "capture_only_tokens_per_s": {d: round(v) for d, v in cap.items()},
+            "ratio_capture_only": {d: round(v / base, 3) for d, v in cap.items()},
+            "extract": runs,  # per output dir and dtype; "ratio" end to end, "ratio_loop" the steady state
             "torch": torch.__version__,
             "smoke": args.smoke,
         }

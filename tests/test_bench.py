@@ -24,7 +24,9 @@ def test_bench_smoke(tmp_path, script, extra):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["smoke"] is True if "smoke" in result else result["preset"] == "smoke"
     if script == "extract_throughput.py":
-        assert result["bytes_per_token_fp8"] < result["bytes_per_token_bf16"] and result["extract_bf16_tokens_per_s"] > 0
+        (run,) = result["extract"].values()
+        assert run["fp8"]["bytes_per_token"] < run["bf16"]["bytes_per_token"] and run["bf16"]["tokens_per_s"] > 0
+        assert run["bf16"]["loop_tokens_per_s"] >= run["bf16"]["tokens_per_s"]
     else:
         assert result["steps"] == 6 and result["tokens_per_s"] > 0
         assert "torch.profiler" in r.stderr

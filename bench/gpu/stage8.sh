@@ -2,8 +2,7 @@
 # GPU stage 8 (kind nvidia-h200-x2, carry .whl .carry/whl-min), for the next session: what this one could not
 # finish. The GPU tests (with gradient checkpointing under compiled flex), then both trainers at sequence 8192
 # (the memory goal's setting; compilation there takes over 110 s, hence the longer limits), eyas' low-memory
-# mode. Run bench/gpu/stage7.sh (extraction with the pinned pool) on its own first; DDP on two GPUs needs its own
-# call (torchrun ... --preset llama8b --steps 30, with a 200 s limit: it compiles slower than FSDP2).
+# mode. DDP on two GPUs is bench/gpu/stage9.sh (it compiles slower than FSDP2: a call of its own).
 source bench/gpu/common.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .carry/whl-min/*.whl
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"

@@ -7,7 +7,7 @@ the final norm capture exactly what EAGLE-3 needs (the state *entering* each
 aux layer, and the last state *before* the norm); ``model.model`` runs, never
 the head, so no logits are materialised.
 
-Rows are cut into shards of contiguous rows (about 1 GiB each); inside a shard
+Rows are cut into shards of contiguous rows (about 256 MiB each); inside a shard
 they are sorted by length and packed into batches under a token budget. Batches
 are right-padded and run with a causal mask only: a real token never attends
 to a later position, so padding cannot reach a stored row, and SDPA takes its
@@ -43,7 +43,10 @@ from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 from eyas.verifier import HiddenStateCapture
 
-SHARD_BYTES = 1 << 30  # target shard size on disk
+# Target shard size on disk. Up to writer_threads + 1 shards sit in (pinned) host memory per rank, and the
+# shards still being written when the last forward ends are the run's fixed tail: 256 MiB keeps both small (an
+# 8-GPU host with 8 writers per rank pins about 18 GiB, not 72) while a shard still writes at full speed.
+SHARD_BYTES = 256 << 20
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
 #: Shard writers on CPU: there the forward is the bottleneck and more threads would compete with it.
 CPU_WRITER_THREADS = 1
@@ -220,9 +223,32 @@ class _ShardJob:
     pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # fp8: (rows, host scales [B, 4])
 
 
+@dataclass
+class RunStats:
+    """Where the time of one :meth:`Extractor.run` went."""
+
+    tokens: int
+    seconds: float  # the whole run, until the last shard is durably written
+    loop_s: float  # the forward loop, waits for a free writer included
+    waited_s: float  # of loop_s, blocked because every writer was busy (the disk was the bound)
+    drain_s: float  # after the loop, writing the shards still in flight
+    write_s: float  # writer threads' busy time, summed (hashing, writing, fsync)
+    bytes: int
+
+    @property
+    def loop_tokens_per_s(self) -> float:
+        """Throughput while the loop runs: the steady-state rate of a long run, whose fixed end cost (the last
+        shards' writes, ``drain_s``) does not grow with the data."""
+        return self.tokens / max(self.loop_s, 1e-9)
+
+    @property
+    def write_GBps_per_thread(self) -> float:
+        return self.bytes / max(self.write_s, 1e-9) / 1e9
+
+
 class Extractor:
     """Runs a loaded verifier over shards of rows and writes feature shards (the stage's engine; the benchmark
-    drives it directly with a preloaded model)."""
+    drives it directly with a preloaded model). ``stats`` describes the last run."""
 
     def __init__(self, model: torch.nn.Module, *, layer_ids: list[int], dtype: str, batch_tokens: int,
                  writer_threads: int | None = None) -> None:  # fmt: skip
@@ -237,6 +263,7 @@ class Extractor:
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # kept across runs: a second run (the benchmark's, or the next rank's shards) reuses them
         self.buffers = _HostBuffers(pinned=self.cuda, keep=self.writer_threads + 2)
+        self.stats: RunStats | None = None
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
         """The batch's ids, right-padded to its longest row: ``[B, T]`` int64 on the model's device."""
@@ -330,9 +357,12 @@ class Extractor:
         writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads)
         cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
+        t0, waited = time.perf_counter(), 0.0
         try:
             for start, end in shards:
-                writer.reserve()
+                tw = time.perf_counter()
+                writer.reserve()  # blocks while every writer is busy: the disk is the bound
+                waited += time.perf_counter() - tw
                 rows = source.fetch(start, end)
                 for r, (ids, _) in enumerate(rows):
                     if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
@@ -343,7 +373,13 @@ class Extractor:
                     self._stage(job, batch, *self._run_batch(cap, rows, batch))
                     bar.update(sum(len(rows[r][0]) for r in batch))
                 writer.submit(job)
+            if self.cuda:  # the forward loop ends when its last copies are done, not when they are queued
+                self._copy_stream.synchronize()
+            t_loop = time.perf_counter()
             writer.close()
+            end_t = time.perf_counter()
+            self.stats = RunStats(tokens=total, seconds=end_t - t0, loop_s=t_loop - t0, waited_s=waited,
+                                  drain_s=end_t - t_loop, write_s=writer.busy_s, bytes=writer.bytes)  # fmt: skip
         finally:
             cap.remove()
             bar.close()
@@ -360,6 +396,8 @@ class _Writer:
                  buffers: _HostBuffers, threads: int = 1) -> None:  # fmt: skip
         self.out, self.layer_ids, self.done, self.buffers = out, layer_ids, done, buffers
         self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
+        self.busy_s, self.bytes = 0.0, 0  # summed over threads
+        self._stat_lock = threading.Lock()
         self._slots = threading.Semaphore(threads + 1)
         self.error: BaseException | None = None
         self._threads = [threading.Thread(target=self._loop, name=f"eyas-shard-writer-{i}", daemon=True)
@@ -396,7 +434,12 @@ class _Writer:
         while (job := self._jobs.get()) is not None:
             try:
                 if self.error is None:
-                    self.done(self._write(job))
+                    t0 = time.perf_counter()
+                    entry = self._write(job)
+                    with self._stat_lock:
+                        self.busy_s += time.perf_counter() - t0
+                        self.bytes += entry["bytes"]
+                    self.done(entry)
             except BaseException as e:  # handed to the main thread at its next call
                 self.error = e
             finally:
@@ -500,7 +543,7 @@ def extract(
         dtype: stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).
         device: cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU.
         device_map: 'auto' spreads a verifier larger than one GPU over all of them (one process only).
-        shard_tokens: tokens per shard (default: about 1 GiB of features per shard).
+        shard_tokens: tokens per shard (default: about 256 MiB of features per shard).
         speculators_out: also write the features in speculators' offline layout to this directory.
         verify: check the shards of this finished output against its manifest (hashes) and exit.
     """
@@ -611,6 +654,12 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             extractor.run(source, todo, out, on_shard=record.add, progress=d.is_main)
             elapsed = time.perf_counter() - t0
             tokens_done = int(sum(source.lengths[s:e].sum() for s, e in todo))
+            st = extractor.stats
+            if st.waited_s > 0.1 * st.seconds:
+                print(f"rank {d.rank}: writing was the bound: the verifier waited {st.waited_s:.0f} s of "
+                      f"{st.seconds:.0f} s for the {extractor.writer_threads} writer threads "
+                      f"({st.write_GBps_per_thread:.2f} GB/s each, {st.bytes / st.seconds / 1e9:.2f} GB/s in all "
+                      f"to {out}); a faster disk or --dtype fp8 (half the bytes) would go faster")  # fmt: skip
         rates = d.all_gather((tokens_done, elapsed))
         d.barrier("end of extraction")
 
