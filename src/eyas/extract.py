@@ -7,7 +7,7 @@ the final norm capture exactly what EAGLE-3 needs (the state *entering* each
 aux layer, and the last state *before* the norm); ``model.model`` runs, never
 the head, so no logits are materialised.
 
-Rows are cut into shards of contiguous rows (about 256 MiB each); inside a shard
+Rows are cut into shards of contiguous rows (about 1 GiB each); inside a shard
 they are sorted by length and packed into batches under a token budget. Batches
 are right-padded and run with a causal mask only: a real token never attends
 to a later position, so padding cannot reach a stored row, and SDPA takes its
@@ -43,10 +43,11 @@ from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 from eyas.verifier import HiddenStateCapture
 
-# Target shard size on disk. Up to writer_threads + 1 shards sit in (pinned) host memory per rank, and the
-# shards still being written when the last forward ends are the run's fixed tail: 256 MiB keeps both small (an
-# 8-GPU host with 8 writers per rank pins about 18 GiB, not 72) while a shard still writes at full speed.
-SHARD_BYTES = 256 << 20
+# Target shard size on disk. Rows are sorted by length and batched inside a shard, so a shard must hold many
+# batches for little padding: on SmolLM2 (4.6 KB per token in bf16) 1 GiB shards pad 13% of the forward's
+# tokens, 256 MiB shards 32% (measured by bench/extract_throughput.py). Up to writer_threads + 1 shards sit in
+# host memory per rank.
+SHARD_BYTES = 1 << 30
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
 #: Shard writers on CPU: there the forward is the bottleneck and more threads would compete with it.
 CPU_WRITER_THREADS = 1
@@ -543,7 +544,7 @@ def extract(
         dtype: stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).
         device: cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU.
         device_map: 'auto' spreads a verifier larger than one GPU over all of them (one process only).
-        shard_tokens: tokens per shard (default: about 256 MiB of features per shard).
+        shard_tokens: tokens per shard (default: about 1 GiB of features per shard).
         speculators_out: also write the features in speculators' offline layout to this directory.
         verify: check the shards of this finished output against its manifest (hashes) and exit.
     """
