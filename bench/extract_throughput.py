@@ -125,13 +125,22 @@ def extract_run(extractor: Extractor, source, shards, out: Path) -> dict:
     counted), so a long run fits in RAM or on a small disk. Returns the run's figures."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    cuda = extractor.device.type == "cuda"
+    before = (torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()) if cuda else None
     extractor.run(source, shards, out, progress=False, on_shard=lambda e: (out / e["file"]).unlink())
     st = extractor.stats
+    allocs = {}
+    if cuda:  # allocations made during the run: device segments (cudaMalloc), pinned host blocks
+        dev, host = torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()
+        allocs = {"device_mallocs": dev.get("num_device_alloc", 0) - before[0].get("num_device_alloc", 0),
+                  "host_allocs": host.get("num_host_alloc", 0) - before[1].get("num_host_alloc", 0),
+                  "host_alloc_ms": (host.get("host_alloc_time.total", 0) - before[1].get("host_alloc_time.total", 0)) / 1e3}  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     return {"tokens_per_s": st.tokens / st.seconds, "loop_tokens_per_s": st.loop_tokens_per_s,
             "bytes_per_token": st.bytes / st.tokens, "seconds": st.seconds, "waited_s": st.waited_s,
             "drain_s": st.drain_s, "write_GBps_per_thread": st.write_GBps_per_thread,
-            "write_GBps": st.bytes / st.seconds / 1e9}  # fmt: skip
+            "write_GBps": st.bytes / st.seconds / 1e9, "slowest_shard_s": max(st.shard_loop_s),
+            "median_shard_s": float(np.median(st.shard_loop_s)), **allocs}  # fmt: skip
 
 
 def hash_GBps(nbytes: int = 256 << 20) -> float:
@@ -158,6 +167,8 @@ def main() -> None:
                          "(RAM, local disk) in one run; default: a temp dir")
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-capture-only", action="store_true", help="skip the capture-only pass (shorter long runs)")
+    ap.add_argument("--order", default="bf16,fp8", help="the dtypes extracted, in this order")
+    ap.add_argument("--passes", type=int, default=1, help="extract each dtype this many times (first-pass effects)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few rows: checks the script runs")
     args = ap.parse_args()
 
@@ -199,8 +210,10 @@ def main() -> None:
         bare1 = bare(source, shards["bf16"])
         cap = {} if args.no_capture_only else {"bf16": capture_only(EX, source, shards["bf16"]),
                                                 "fp8": capture_only(ex8, source, shards["fp8"])}  # fmt: skip
-        runs = {str(o): {"bf16": extract_run(EX, source, shards["bf16"], o),
-                         "fp8": extract_run(ex8, source, shards["fp8"], o)} for o in outs}  # fmt: skip
+        extractors = {"bf16": EX, "fp8": ex8}
+        order = args.order.split(",")
+        runs = {str(o): {f"{d}#{p}" if args.passes > 1 else d: extract_run(extractors[d], source, shards[d], o)
+                         for p in range(1, args.passes + 1) for d in order} for o in outs}  # fmt: skip
         bare2 = bare(source, shards["bf16"])
         base = (bare1 + bare2) / 2
         padded = sum(len(b) * source.lengths[s + b[0]] for s, e in shards["bf16"]

@@ -235,6 +235,7 @@ class RunStats:
     drain_s: float  # after the loop, writing the shards still in flight
     write_s: float  # writer threads' busy time, summed (hashing, writing, fsync)
     bytes: int
+    shard_loop_s: list[float]  # the forward loop's time on each shard (its wait for a writer included)
 
     @property
     def loop_tokens_per_s(self) -> float:
@@ -358,7 +359,7 @@ class Extractor:
         writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads)
         cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
-        t0, waited = time.perf_counter(), 0.0
+        t0, waited, per_shard = time.perf_counter(), 0.0, []
         try:
             for start, end in shards:
                 tw = time.perf_counter()
@@ -374,13 +375,15 @@ class Extractor:
                     self._stage(job, batch, *self._run_batch(cap, rows, batch))
                     bar.update(sum(len(rows[r][0]) for r in batch))
                 writer.submit(job)
+                per_shard.append(time.perf_counter() - tw)
             if self.cuda:  # the forward loop ends when its last copies are done, not when they are queued
                 self._copy_stream.synchronize()
             t_loop = time.perf_counter()
             writer.close()
             end_t = time.perf_counter()
             self.stats = RunStats(tokens=total, seconds=end_t - t0, loop_s=t_loop - t0, waited_s=waited,
-                                  drain_s=end_t - t_loop, write_s=writer.busy_s, bytes=writer.bytes)  # fmt: skip
+                                  drain_s=end_t - t_loop, write_s=writer.busy_s, bytes=writer.bytes,
+                                  shard_loop_s=per_shard)  # fmt: skip
         finally:
             cap.remove()
             bar.close()
