@@ -11,11 +11,13 @@ length-sorted, right-padded batches, same dtype, no hooks, nothing kept). Both r
     PYTHONPATH=src python3 bench/extract_throughput.py --smoke
 
 Runs, in order: warm-up, bare forward, capture only (forward + hooks + gather + device-to-host copy, nothing
-written; bf16 and fp8), extract bf16 and fp8 into each --out, bare forward again. Prints one JSON line: tokens/s
-of each, the ratios against the mean of the two bare runs, bytes per token as written, the write bandwidth, and
+written; bf16 and fp8), extract bf16 and fp8 into each --out, bare forward again. The batches are those `eyas
+extract` forms (rows sorted by length inside windows of shards), and each dtype is compared with the bare forward
+on its own batches (fp8 shards hold twice the tokens, so its windows pad less). Prints one JSON line: tokens/s of
+each, the ratios against the mean of the two bare runs, bytes per token as written, the write bandwidth, and
 where the time went (waits for a free writer, the final drain). Two extraction rates: end to end, and over the
-forward loop only (waits for writers included): the steady state of a long run, whose one fixed cost, writing the
-last shards after the last forward (``drain_s``, at most a shard per writer), does not grow with the data.
+forward loop only (waits for writers included): the steady state of a long run, whose one fixed cost, writing
+the last window's shards after the last forward (``drain_s``), does not grow with the data.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.extract import SHARD_BYTES, Extractor, InMemoryRows, PreparedRows, check_layer_ids, plan_batches, plan_shards
+from eyas.extract import (SHARD_BYTES, WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
+                          plan_batches, plan_shards, plan_windows)
 from eyas.features import bytes_per_token
 from eyas.verifier import HiddenStateCapture, build_text_model, resolve
 
@@ -80,18 +83,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def batches(source, shards):
-    for s, e in shards:
-        rows = source.fetch(s, e)
+def batches(source, windows):
+    """The batches `Extractor.window` runs: each window's rows sorted by length and packed together."""
+    for w in windows:
+        rows = source.fetch(w[0][0], w[-1][1])
         for batch in plan_batches(np.array([len(i) for i, _ in rows]), EX.batch_tokens):
             yield rows, batch
 
 
 @torch.inference_mode()
-def bare(source, shards, limit: int | None = None) -> float:
+def bare(source, windows, limit: int | None = None) -> float:
     """tokens/s of the backbone alone on the same padded batches (ids built the same way)."""
     tokens, t0 = 0, time.perf_counter()
-    for k, (rows, batch) in enumerate(batches(source, shards)):
+    for k, (rows, batch) in enumerate(batches(source, windows)):
         if limit is not None and k >= limit:
             break
         EX.backbone(input_ids=EX.padded(rows, batch), use_cache=False)
@@ -100,47 +104,44 @@ def bare(source, shards, limit: int | None = None) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def capture_only(extractor: Extractor, source, shards) -> float:
+def capture_only(extractor: Extractor, source, windows) -> float:
     """Everything but the writing: forward, capture, gather, and the copies into the shards' host buffers."""
-    H = extractor.backbone.get_input_embeddings().embedding_dim
     cap = HiddenStateCapture(extractor.model, extractor.layer_ids)
     tokens, t0 = 0, time.perf_counter()
     try:
-        for s, e in shards:
-            rows = source.fetch(s, e)
-            job = extractor._new_job(s, e, rows, H)
-            for batch in plan_batches(np.diff(job.offsets), extractor.batch_tokens):
-                extractor._stage(job, batch, *extractor._run_batch(cap, rows, batch))
-                tokens += sum(len(rows[r][0]) for r in batch)
-            for ev in job.ready:
-                ev.synchronize()
-            extractor.buffers.release(job.buffer)
+        for w in windows:
+            for job in extractor.window(cap, source, w, skip=()):
+                for ev in job.ready:
+                    ev.synchronize()
+                extractor.buffers.release(job.buffer)
+            tokens += int(source.lengths[w[0][0] : w[-1][1]].sum())
     finally:
         cap.remove()
     return tokens / (time.perf_counter() - t0)
 
 
-def extract_run(extractor: Extractor, source, shards, out: Path) -> dict:
+def extract_run(extractor: Extractor, source, windows, out: Path) -> dict:
     """One extraction into ``out``; each shard is deleted as soon as it is durably written (its bytes
     counted), so a long run fits in RAM or on a small disk. Returns the run's figures."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cuda = extractor.device.type == "cuda"
     before = (torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()) if cuda else None
-    extractor.run(source, shards, out, progress=False, on_shard=lambda e: (out / e["file"]).unlink())
+    extractor.run(source, windows, out, progress=False, on_shard=lambda e: (out / e["file"]).unlink())
     st = extractor.stats
     allocs = {}
     if cuda:  # allocations made during the run: device segments (cudaMalloc), pinned host blocks
         dev, host = torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()
         allocs = {"device_mallocs": dev.get("num_device_alloc", 0) - before[0].get("num_device_alloc", 0),
                   "host_allocs": host.get("num_host_alloc", 0) - before[1].get("num_host_alloc", 0),
-                  "host_alloc_ms": (host.get("host_alloc_time.total", 0) - before[1].get("host_alloc_time.total", 0)) / 1e3}  # fmt: skip
+                  "host_alloc_ms": (host.get("host_alloc_time.total", 0)
+                                    - before[1].get("host_alloc_time.total", 0)) / 1e3}  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     return {"tokens_per_s": st.tokens / st.seconds, "loop_tokens_per_s": st.loop_tokens_per_s,
             "bytes_per_token": st.bytes / st.tokens, "seconds": st.seconds, "waited_s": st.waited_s,
             "drain_s": st.drain_s, "write_GBps_per_thread": st.write_GBps_per_thread,
-            "write_GBps": st.bytes / st.seconds / 1e9, "slowest_shard_s": max(st.shard_loop_s),
-            "median_shard_s": float(np.median(st.shard_loop_s)), **allocs}  # fmt: skip
+            "write_GBps": st.bytes / st.seconds / 1e9, "slowest_window_s": max(st.window_loop_s),
+            "median_window_s": float(np.median(st.window_loop_s)), **allocs}  # fmt: skip
 
 
 def hash_GBps(nbytes: int = 256 << 20) -> float:
@@ -195,33 +196,37 @@ def main() -> None:
         make = lambda dtype: Extractor(model, layer_ids=layer_ids, dtype=dtype,  # noqa: E731
                                        batch_tokens=batch_tokens, writer_threads=args.writer_threads)
         EX = make("bf16")
-        shards = {d: plan_shards(source.lengths, SHARD_BYTES // bytes_per_token(info.hidden_size, d))
-                  for d in ("bf16", "fp8")}  # fmt: skip
+        windows = {d: plan_windows(plan_shards(source.lengths, SHARD_BYTES // bytes_per_token(info.hidden_size, d)))
+                  for d in ("bf16", "fp8")}  # fmt: skip  (windows of shards, as `eyas extract` runs them)
         outs = [Path(o) for o in args.out] if args.out else [tmp / "features"]
         # warm-up, one whole pass: CUDA context, allocator, and cuBLAS' first call on every batch shape (the
         # first pass runs at half speed on an H200)
-        bare(source, shards["bf16"])
+        bare(source, windows["bf16"])
         ex8 = make("fp8")
         ex8.buffers = EX.buffers
-        capture_only(EX, source, shards["bf16"][:1])
-        capture_only(ex8, source, shards["fp8"][:1])  # (fp8's first pass allocates its small pinned scale blocks)
+        capture_only(EX, source, windows["bf16"][:1])
+        capture_only(ex8, source, windows["fp8"][:1])  # (fp8's first pass allocates its small pinned scale blocks)
         # warm-up of the writer path: as many (pinned) shard buffers as can be in flight, allocated once
-        extract_run(EX, source, shards["bf16"][: EX.writer_threads + 1], outs[0])
-        bare1 = bare(source, shards["bf16"])
-        cap = {} if args.no_capture_only else {"bf16": capture_only(EX, source, shards["bf16"]),
-                                                "fp8": capture_only(ex8, source, shards["fp8"])}  # fmt: skip
+        extract_run(EX, source, windows["bf16"][: -(-(EX.writer_threads + WINDOW_SHARDS) // WINDOW_SHARDS)], outs[0])
+        # each dtype against the bare forward on its own batches: fp8 shards hold twice the tokens, so its windows
+        # sort more rows together and pad less
+        bare1 = {d: bare(source, w) for d, w in windows.items()}
+        cap = {} if args.no_capture_only else {"bf16": capture_only(EX, source, windows["bf16"]),
+                                                "fp8": capture_only(ex8, source, windows["fp8"])}  # fmt: skip
         extractors = {"bf16": EX, "fp8": ex8}
         order = args.order.split(",")
-        runs = {str(o): {f"{d}#{p}" if args.passes > 1 else d: extract_run(extractors[d], source, shards[d], o)
+        runs = {str(o): {f"{d}#{p}" if args.passes > 1 else d: extract_run(extractors[d], source, windows[d], o)
                          for p in range(1, args.passes + 1) for d in order} for o in outs}  # fmt: skip
-        bare2 = bare(source, shards["bf16"])
-        base = (bare1 + bare2) / 2
-        padded = sum(len(b) * source.lengths[s + b[0]] for s, e in shards["bf16"]
-                     for b in plan_batches(source.lengths[s:e], batch_tokens))  # fmt: skip
+        bare2 = {d: bare(source, w) for d, w in windows.items()}
+        base = {d: (bare1[d] + bare2[d]) / 2 for d in windows}
+        padded = {d: sum(len(b) * source.lengths[w[0][0] + b[0]] for w in ws
+                         for b in plan_batches(source.lengths[w[0][0] : w[-1][1]], batch_tokens))
+                  for d, ws in windows.items()}  # fmt: skip
         for where in runs.values():
-            for r in where.values():
-                r["ratio"] = round(r["tokens_per_s"] / base, 3)
-                r["ratio_loop"] = round(r["loop_tokens_per_s"] / base, 3)
+            for name, r in where.items():
+                d = name.split("#")[0]
+                r["ratio"] = round(r["tokens_per_s"] / base[d], 3)
+                r["ratio_loop"] = round(r["loop_tokens_per_s"] / base[d], 3)
                 for k, v in r.items():
                     r[k] = round(v, 3) if isinstance(v, float) and v < 100 else round(v)
         result = {
@@ -233,15 +238,16 @@ def main() -> None:
             "compute_dtype": str(compute).removeprefix("torch."),
             "rows": len(source.lengths),
             "tokens": int(source.lengths.sum()),
-            "padding_fraction": round(1 - int(source.lengths.sum()) / int(padded), 4),
+            "padding_fraction": {d: round(1 - int(source.lengths.sum()) / int(p), 4) for d, p in padded.items()},
             "batch_tokens": batch_tokens,
             "writer_threads": EX.writer_threads,
-            "shards": {d: len(v) for d, v in shards.items()},
+            "shards": {d: sum(len(w) for w in v) for d, v in windows.items()},
+            "window_shards": WINDOW_SHARDS,
             "model_load_s": round(load_s, 1),
             "sha256_GBps_one_thread": round(hash_GBps(), 2),
-            "bare_tokens_per_s": [round(bare1), round(bare2)],
+            "bare_tokens_per_s": {d: [round(bare1[d]), round(bare2[d])] for d in windows},
             "capture_only_tokens_per_s": {d: round(v) for d, v in cap.items()},
-            "ratio_capture_only": {d: round(v / base, 3) for d, v in cap.items()},
+            "ratio_capture_only": {d: round(v / base[d], 3) for d, v in cap.items()},
             "extract": runs,  # per output dir and dtype; "ratio" end to end, "ratio_loop" the steady state
             "torch": torch.__version__,
             "smoke": args.smoke,

@@ -24,7 +24,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.extract import Extractor, InMemoryRows, check_layer_ids, plan_shards
+from eyas.extract import Extractor, InMemoryRows, check_layer_ids, plan_shards, plan_windows
 from eyas.features import fp8_decode, fp8_encode, fp8_scale
 from eyas.verifier import build_text_model, load_tokenizer, resolve
 
@@ -60,7 +60,7 @@ def main() -> None:
     layers = check_layer_ids(info.aux_layer_ids, info.num_hidden_layers)
     with tempfile.TemporaryDirectory() as tmp:
         Extractor(model, layer_ids=layers, dtype="fp32", batch_tokens=1).run(
-            source, plan_shards(source.lengths, 10**9), tmp, progress=False
+            source, plan_windows(plan_shards(source.lengths, 10**9)), tmp, progress=False
         )
         from safetensors.torch import load_file  # one fp32 shard, no manifest: read it directly
 

@@ -19,7 +19,7 @@ import tiny
 from eyas import extract as extract_mod
 from eyas.cli import main as cli_main
 from eyas.errors import EyasError
-from eyas.extract import extract, plan_batches, plan_shards
+from eyas.extract import extract, plan_batches, plan_shards, plan_windows
 from eyas.features import FeatureReader, shard_name, verify
 
 EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]
@@ -100,9 +100,14 @@ def test_batched_equals_one_row_at_a_time(make_tiny, tmp_path, monkeypatch):
     for i in range(len(rows)):
         a, b = one.states(i), batched.states(i)
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
-    # the plan really batched rows of different lengths together
+    # the plan really batched rows of different lengths together, and rows of different shards (a window)
     lengths = torch.tensor([len(r[0]) for r in rows]).numpy()
     assert any(len(b) > 1 and len({lengths[i] for i in b}) > 1 for b in plan_batches(lengths[:5], 90))
+    shards = plan_shards(lengths, 60)
+    shard_of = {r: k for k, (s, e) in enumerate(shards) for r in range(s, e)}
+    w = plan_windows(shards)[0]
+    assert len(shards) > 1 and any(len({shard_of[w[0][0] + i] for i in b}) > 1
+                                   for b in plan_batches(lengths[w[0][0] : w[-1][1]], 90))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
@@ -164,6 +169,39 @@ def test_plans():
     batches = plan_batches(lengths, 18)
     assert batches == [[4, 2], [0, 3, 5]]  # longest first; the empty row 1 runs nowhere
     assert plan_batches(lengths, 1) == [[4], [2], [0], [3], [5]]
+    shards = [(0, 2), (2, 3), (3, 7), (7, 9), (9, 10)]
+    assert plan_windows(shards, 2) == [[(0, 2), (2, 3)], [(3, 7), (7, 9)], [(9, 10)]]
+    assert plan_windows([(0, 0)]) == [[(0, 0)]]
+
+
+def test_resume_inside_a_window_keeps_its_written_shards(make_tiny, tmp_path, monkeypatch):
+    """A run that stops in the middle of a window (here: the writer fails on the window's third shard) is
+    finished by a rerun that computes the whole window again, keeps the shards already written and writes the
+    rest at their rows: byte-identical to an uninterrupted run."""
+    t = make_tiny("llama")
+    rows = _rows(12, seed=23, lo=2, hi=12)
+    prep = _prepared(tmp_path / "prep", t.path, rows)
+    args = dict(verifier=str(t.path), data=str(prep), dtype="fp8", shard_tokens=1, batch_tokens=40)
+    ref = extract(**args, out=str(tmp_path / "ref"))
+    write_shard, calls = extract_mod.features.write_shard, []
+
+    def failing(*a, **k):
+        calls.append(k["start"])
+        if len(calls) == 7:  # window 1 (shards 4-7): shards 4 and 5 written, 6 fails, 7 never written
+            raise OSError("disk gone")
+        return write_shard(*a, **k)
+
+    monkeypatch.setattr(extract_mod.features, "write_shard", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk gone"):
+        extract(**args, out=str(out))
+    monkeypatch.setattr(extract_mod.features, "write_shard", write_shard)
+    written = sorted(p.name for p in out.glob("rows_*.safetensors"))
+    assert written == [shard_name(i, i + 1) for i in range(6)]
+    inodes = {n: (out / n).stat().st_ino for n in written}
+    assert extract(**args, out=str(out))["outputs"]["shards"] == ref["outputs"]["shards"]
+    assert {n: (out / n).stat().st_ino for n in written} == inodes
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "ref")
 
 
 def _cli_extract(t, prep: Path, out: Path, *extra: str) -> list[str]:
@@ -250,8 +288,10 @@ def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
     t = make_tiny("llama")
     rows = _rows(6, seed=13, lo=10, hi=40)
     prep = _prepared(tmp_path / "prep", t.path, rows)
-    made = {d: extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / d), dtype=d, batch_tokens=64)
-            for d in ("fp32", "bf16", "fp8")}  # fmt: skip
+    # small shards: a window's batches mix rows of several shards, whose scales must reach their own rows
+    made = {d: extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / d), dtype=d, batch_tokens=64,
+                       shard_tokens=30) for d in ("fp32", "bf16", "fp8")}  # fmt: skip
+    assert len(made["fp8"]["outputs"]["shards"]) > 2
     bpt = {d: m["outputs"]["bytes_per_token"] for d, m in made.items()}
     assert bpt["fp8"] < 0.55 * bpt["bf16"] < 0.3 * bpt["fp32"]
     exact, bf16, fp8 = (FeatureReader(tmp_path / d) for d in ("fp32", "bf16", "fp8"))

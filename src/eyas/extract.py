@@ -7,13 +7,14 @@ the final norm capture exactly what EAGLE-3 needs (the state *entering* each
 aux layer, and the last state *before* the norm); ``model.model`` runs, never
 the head, so no logits are materialised.
 
-Rows are cut into shards of contiguous rows (about 1 GiB each); inside a shard
-they are sorted by length and packed into batches under a token budget. Batches
+Rows are cut into shards of contiguous rows (about 1 GiB each); inside a window
+of four shards they are sorted by length and packed into batches under a token
+budget (each shard is still written on its own, when its window is done). Batches
 are right-padded and run with a causal mask only: a real token never attends
 to a later position, so padding cannot reach a stored row, and SDPA takes its
 fastest (``is_causal``) path. On CUDA the gathered states go to pinned host
-memory on a side stream while the next batch computes, and a writer thread
-assembles, hashes and writes each shard while the following one computes.
+memory on a side stream while the next batch computes, and writer threads
+hash and write each shard while the following window computes.
 
 Resumable: each rank records finished shards (with sha256) in
 ``.progress-rank{r}.json`` after each shard; a rerun keeps the shards whose
@@ -33,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Callable, Container, Literal, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -43,11 +44,15 @@ from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 from eyas.verifier import HiddenStateCapture
 
-# Target shard size on disk. Rows are sorted by length and batched inside a shard, so a shard must hold many
-# batches for little padding: on SmolLM2 (4.6 KB per token in bf16) 1 GiB shards pad 13% of the forward's
-# tokens, 256 MiB shards 32% (measured by bench/extract_throughput.py). Up to writer_threads + 1 shards sit in
-# host memory per rank.
+# Target shard size on disk. Rows are sorted by length and batched inside a window of shards, which must hold
+# many batches for little padding: 256 MiB shards, one per window, padded 32% of the forward's tokens on
+# SmolLM2 (4.6 KB per token in bf16; H200 run in docs/BENCHMARKS.md), 1 GiB ones 13%.
 SHARD_BYTES = 1 << 30
+# Shards whose rows are sorted and batched together. Padding falls with the rows sorted at once (the benchmark's
+# ShareGPT-like lengths at 32,768 tokens per batch: 13% of the forward's tokens are padding in one 1 GiB shard,
+# 4.7% across four), while each shard is still written on its own. A window's shards sit in host memory until
+# its last batch, so this bounds memory too: window + writer threads shards per rank.
+WINDOW_SHARDS = 4
 BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}  # default token budget per forward (padding included)
 #: Shard writers on CPU: there the forward is the bottleneck and more threads would compete with it.
 CPU_WRITER_THREADS = 1
@@ -166,8 +171,15 @@ def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def plan_windows(shards: list[tuple[int, int]], window: int = WINDOW_SHARDS) -> list[list[tuple[int, int]]]:
+    """Consecutive groups of ``window`` shards, batched together. Fixed by the shard plan alone, so a resumed or
+    distributed run forms the same batches (on a GPU the numerics of a row depend on its batch's shape)."""
+    return [shards[i : i + window] for i in range(0, len(shards), window)]
+
+
 def assign_shards(tokens: Sequence[int], world_size: int) -> list[list[int]]:
-    """Deal shards to ranks, each to the rank with the fewest tokens so far (ties: lowest rank)."""
+    """Deal shards (or windows of them) to ranks, each to the rank with the fewest tokens so far (ties: lowest
+    rank)."""
     load = [0] * world_size
     out: list[list[int]] = [[] for _ in range(world_size)]
     for k, n in enumerate(tokens):
@@ -221,7 +233,8 @@ class _ShardJob:
     offsets: np.ndarray  # [R + 1] token offset of each row in `hidden`
     scales: torch.Tensor | None  # fp8: [R, 4] float32, filled from `pending` by the writer
     ready: list[Any] = field(default_factory=list)  # CUDA: events recorded after each batch's copies
-    pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # fp8: (rows, host scales [B, 4])
+    # fp8: (this shard's rows, their positions in the batch, the batch's host scales [B, 4])
+    pending: list[tuple[list[int], list[int], torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -232,15 +245,15 @@ class RunStats:
     seconds: float  # the whole run, until the last shard is durably written
     loop_s: float  # the forward loop, waits for a free writer included
     waited_s: float  # of loop_s, blocked because every writer was busy (the disk was the bound)
-    drain_s: float  # after the loop, writing the shards still in flight
+    drain_s: float  # after the loop, writing the shards still in flight (the last window's, at least)
     write_s: float  # writer threads' busy time, summed (hashing, writing, fsync)
     bytes: int
-    shard_loop_s: list[float]  # the forward loop's time on each shard (its wait for a writer included)
+    window_loop_s: list[float]  # the forward loop's time on each window (its wait for writers included)
 
     @property
     def loop_tokens_per_s(self) -> float:
-        """Throughput while the loop runs: the steady-state rate of a long run, whose fixed end cost (the last
-        shards' writes, ``drain_s``) does not grow with the data."""
+        """Throughput while the loop runs: the steady-state rate of a long run, whose fixed end cost (writing
+        the last window's shards, ``drain_s``) does not grow with the data."""
         return self.tokens / max(self.loop_s, 1e-9)
 
     @property
@@ -264,7 +277,7 @@ class Extractor:
         self.writer_threads = writer_threads or default_writer_threads(self.cuda)
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # kept across runs: a second run (the benchmark's, or the next rank's shards) reuses them
-        self.buffers = _HostBuffers(pinned=self.cuda, keep=self.writer_threads + 2)
+        self.buffers = _HostBuffers(pinned=self.cuda, keep=self.writer_threads + WINDOW_SHARDS + 1)
         self.stats: RunStats | None = None
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
@@ -310,40 +323,87 @@ class Extractor:
         scales = torch.ones(len(rows), NUM_STATES) if self.dtype == "fp8" else None
         return _ShardJob(start, end, rows, buf, hidden, offsets, scales)
 
-    def _stage(self, job: _ShardJob, batch: list[int], hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """Copy each row of a batch's states to its place in the shard's host buffer; on a GPU the copies run
-        on a side stream, so the next batch's forward overlaps them."""
+    def _stage(self, jobs: dict[int, _ShardJob], owner: np.ndarray, local: np.ndarray, lengths: np.ndarray,
+               batch: list[int], hidden: torch.Tensor, scale: torch.Tensor | None) -> None:  # fmt: skip
+        """Copy each row of a batch's states to its place in its shard's host buffer (rows of shards that are
+        not written, ``owner`` -1, are dropped); on a GPU the copies run on a side stream, so the next batch's
+        forward overlaps them."""
         if self.cuda:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream) if self.cuda else contextlib.nullcontext():
             off = 0
-            for r in batch:
-                a, b = job.offsets[r], job.offsets[r + 1]
-                job.hidden[a:b].copy_(hidden[off : off + b - a], non_blocking=self.cuda)
-                off += b - a
-            if scale is not None:
+            placed: dict[int, tuple[list[int], list[int]]] = {}  # shard -> (its rows, their batch positions)
+            for b, r in enumerate(batch):
+                n, k = int(lengths[r]), int(owner[r])
+                if k >= 0:
+                    job, i = jobs[k], int(local[r])
+                    job.hidden[job.offsets[i] : job.offsets[i + 1]].copy_(hidden[off : off + n], non_blocking=self.cuda)
+                    rows_b = placed.setdefault(k, ([], []))
+                    rows_b[0].append(i)
+                    rows_b[1].append(b)
+                off += n
+            if scale is not None and placed:
                 host = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=self.cuda)
                 host.copy_(scale, non_blocking=self.cuda)
-                job.pending.append((batch, host))
+                for k, (rows_k, pos) in placed.items():
+                    jobs[k].pending.append((rows_k, pos, host))
             if self.cuda:
                 for t in (hidden, scale):
                     if t is not None:
                         t.record_stream(self._copy_stream)  # keep the device memory alive until the copies are done
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
-                job.ready.append(ready)
+                for k in placed:
+                    jobs[k].ready.append(ready)
+
+    def window(self, cap: HiddenStateCapture, source: RowSource, window: list[tuple[int, int]], skip: Container[str],
+               on_batch: Callable[[int], None] | None = None) -> list[_ShardJob]:  # fmt: skip
+        """Run one window: its rows sorted by length and batched together, each row's states staged in its
+        shard's buffer. Returns the jobs of the shards not in ``skip`` (rows of skipped shards are computed, so
+        that every batch is the one an uninterrupted run forms, and dropped)."""
+        w0, w1 = window[0][0], window[-1][1]
+        rows = source.fetch(w0, w1)
+        H = self.backbone.get_input_embeddings().embedding_dim
+        vocab = self.backbone.get_input_embeddings().num_embeddings
+        for r, (ids, _) in enumerate(rows):
+            if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+                raise EyasError(f"row {w0 + r} has token id {int(ids.max())} outside the verifier's vocabulary "
+                                f"of {vocab}: the prepared rows do not belong to this verifier")  # fmt: skip
+        owner = np.full(len(rows), -1, dtype=np.int64)  # window row -> its shard's position in `window`, -1: dropped
+        local = np.zeros(len(rows), dtype=np.int64)  # window row -> its row in that shard
+        jobs: dict[int, _ShardJob] = {}
+        for k, (s, e) in enumerate(window):
+            local[s - w0 : e - w0] = np.arange(e - s)
+            if shard_name(s, e) not in skip:
+                owner[s - w0 : e - w0] = k
+                jobs[k] = self._new_job(s, e, rows[s - w0 : e - w0], H)
+        lengths = np.array([len(ids) for ids, _ in rows], dtype=np.int64)
+        try:
+            for batch in plan_batches(lengths, self.batch_tokens):
+                self._stage(jobs, owner, local, lengths, batch, *self._run_batch(cap, rows, batch))
+                if on_batch is not None:
+                    on_batch(int(lengths[batch].sum()))
+        except BaseException:
+            for job in jobs.values():  # nothing will write them
+                for ev in job.ready:
+                    ev.synchronize()
+                self.buffers.release(job.buffer)
+            raise
+        return [jobs[k] for k in sorted(jobs)]
 
     def run(
         self,
         source: RowSource,
-        shards: list[tuple[int, int]],
+        windows: list[list[tuple[int, int]]],
         out: str | Path,
         *,
+        skip: Container[str] = frozenset(),
         on_shard: Callable[[dict[str, Any]], None] | None = None,
         progress: bool = True,
     ) -> list[dict[str, Any]]:
-        """Extract ``shards`` (row ranges) of ``source`` into ``out``; returns their manifest entries in order
-        of completion. ``on_shard`` is called (on the writer thread) after each shard is durably written."""
+        """Extract the shards (row ranges) of ``windows`` (see :func:`plan_windows`) into ``out``, but for the
+        shards named in ``skip`` (already written); returns their manifest entries in order of completion.
+        ``on_shard`` is called (on a writer thread) after each shard is durably written."""
         from tqdm.auto import tqdm
 
         entries: list[dict[str, Any]] = []
@@ -353,29 +413,23 @@ class Extractor:
             if on_shard is not None:
                 on_shard(entry)
 
-        total = int(sum(source.lengths[s:e].sum() for s, e in shards))
-        H = self.backbone.get_input_embeddings().embedding_dim
-        vocab = self.backbone.get_input_embeddings().num_embeddings
-        writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads)
+        windows = [w for w in windows if any(shard_name(*sh) not in skip for sh in w)]
+        total = int(sum(source.lengths[w[0][0] : w[-1][1]].sum() for w in windows))
+        writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads,
+                         window=max((len(w) for w in windows), default=1))  # fmt: skip
         cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
-        t0, waited, per_shard = time.perf_counter(), 0.0, []
+        t0, waited, per_window = time.perf_counter(), 0.0, []
         try:
-            for start, end in shards:
+            for window in windows:
                 tw = time.perf_counter()
-                writer.reserve()  # blocks while every writer is busy: the disk is the bound
+                for sh in window:
+                    if shard_name(*sh) not in skip:
+                        writer.reserve()  # blocks while every writer is busy: the disk is the bound
                 waited += time.perf_counter() - tw
-                rows = source.fetch(start, end)
-                for r, (ids, _) in enumerate(rows):
-                    if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-                        raise EyasError(f"row {start + r} has token id {int(ids.max())} outside the verifier's "
-                                        f"vocabulary of {vocab}: the prepared rows do not belong to this verifier")  # fmt: skip
-                job = self._new_job(start, end, rows, H)
-                for batch in plan_batches(np.diff(job.offsets), self.batch_tokens):
-                    self._stage(job, batch, *self._run_batch(cap, rows, batch))
-                    bar.update(sum(len(rows[r][0]) for r in batch))
-                writer.submit(job)
-                per_shard.append(time.perf_counter() - tw)
+                for job in self.window(cap, source, window, skip, on_batch=bar.update):
+                    writer.submit(job)
+                per_window.append(time.perf_counter() - tw)
             if self.cuda:  # the forward loop ends when its last copies are done, not when they are queued
                 self._copy_stream.synchronize()
             t_loop = time.perf_counter()
@@ -383,7 +437,7 @@ class Extractor:
             end_t = time.perf_counter()
             self.stats = RunStats(tokens=total, seconds=end_t - t0, loop_s=t_loop - t0, waited_s=waited,
                                   drain_s=end_t - t_loop, write_s=writer.busy_s, bytes=writer.bytes,
-                                  shard_loop_s=per_shard)  # fmt: skip
+                                  window_loop_s=per_window)  # fmt: skip
         finally:
             cap.remove()
             bar.close()
@@ -393,16 +447,16 @@ class Extractor:
 
 class _Writer:
     """Writes finished shards on background threads (writing and hashing release the GIL, so they overlap the
-    forward passes and each other). At most ``threads + 1`` shards are in flight, which bounds host memory and
-    makes compute wait when the disk is the bottleneck."""
+    forward passes and each other). At most ``threads + window`` shards are in flight (a window being filled,
+    the rest being written), which bounds host memory and makes compute wait when the disk is the bottleneck."""
 
     def __init__(self, out: Path, layer_ids: list[int], done: Callable[[dict[str, Any]], None], *,
-                 buffers: _HostBuffers, threads: int = 1) -> None:  # fmt: skip
+                 buffers: _HostBuffers, threads: int = 1, window: int = 1) -> None:  # fmt: skip
         self.out, self.layer_ids, self.done, self.buffers = out, layer_ids, done, buffers
         self._jobs: queue.Queue[_ShardJob | None] = queue.Queue()
         self.busy_s, self.bytes = 0.0, 0  # summed over threads
         self._stat_lock = threading.Lock()
-        self._slots = threading.Semaphore(threads + 1)
+        self._slots = threading.Semaphore(threads + window)
         self.error: BaseException | None = None
         self._threads = [threading.Thread(target=self._loop, name=f"eyas-shard-writer-{i}", daemon=True)
                          for i in range(threads)]  # fmt: skip
@@ -453,8 +507,8 @@ class _Writer:
         try:
             for ev in job.ready:
                 ev.synchronize()
-            for batch, host in job.pending:
-                job.scales[batch] = host
+            for rows, pos, host in job.pending:
+                job.scales[rows] = host[pos]
             tensors = features.shard_tensors(
                 [torch.from_numpy(i) for i, _ in job.rows],
                 [torch.from_numpy(m) for _, m in job.rows],
@@ -612,7 +666,8 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     shards = plan_shards(source.lengths, shard_tokens)
     inputs = {"verifier": fp, "data": source.identity()}
     settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
-                "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens}  # fmt: skip
+                "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens,
+                "window_shards": WINDOW_SHARDS}  # fmt: skip
     plan = sha256_json({"inputs": inputs, "settings": settings})
 
     with contextlib.ExitStack() as stack:
@@ -642,10 +697,12 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                     features.write_speculators(out, out=speculators_out)
             return manifest
         d.barrier("start of extraction")
-        mine = assign_shards([int(source.lengths[s:e].sum()) for s, e in shards], d.world_size)[d.rank]
-        kept = {shard_name(*shards[k]): known[shard_name(*shards[k])] for k in mine
-                if _still_good(out, known.get(shard_name(*shards[k])))}  # fmt: skip
-        todo = [shards[k] for k in mine if shard_name(*shards[k]) not in kept]
+        windows = plan_windows(shards)
+        mine = [windows[k] for k in assign_shards([int(source.lengths[w[0][0] : w[-1][1]].sum()) for w in windows],
+                                                  d.world_size)[d.rank]]  # fmt: skip
+        kept = {shard_name(*sh): known[shard_name(*sh)] for w in mine for sh in w
+                if _still_good(out, known.get(shard_name(*sh)))}  # fmt: skip
+        todo = [sh for w in mine for sh in w if shard_name(*sh) not in kept]
         need = int(sum(source.lengths[s:e].sum() for s, e in todo)) * bytes_per_token(H, dtype)
         total_need = sum(d.all_gather(need))
         check_free_disk(out, needed=total_need, what=f"extracting {len(shards)} shard(s) of {dtype} features")
@@ -655,9 +712,9 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             model = build_text_model(info, dtype=compute_dtype, device=where, device_map=device_map)
             extractor = Extractor(model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens)
             t0 = time.perf_counter()
-            extractor.run(source, todo, out, on_shard=record.add, progress=d.is_main)
+            extractor.run(source, mine, out, skip=kept, on_shard=record.add, progress=d.is_main)
             elapsed = time.perf_counter() - t0
-            tokens_done = int(sum(source.lengths[s:e].sum() for s, e in todo))
+            tokens_done = extractor.stats.tokens  # (a window that was partly written is computed whole)
             st = extractor.stats
             if st.waited_s > 0.1 * st.seconds:
                 print(f"rank {d.rank}: writing was the bound: the verifier waited {st.waited_s:.0f} s of "
