@@ -40,9 +40,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.extract import (SHARD_BYTES, WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
-                          plan_batches, plan_shards, plan_windows)
-from eyas.features import bytes_per_token
+from eyas.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
+                          default_shard_tokens, plan_batches, plan_shards, plan_windows)
 from eyas.verifier import HiddenStateCapture, build_text_model, resolve
 
 
@@ -196,7 +195,8 @@ def main() -> None:
         make = lambda dtype: Extractor(model, layer_ids=layer_ids, dtype=dtype,  # noqa: E731
                                        batch_tokens=batch_tokens, writer_threads=args.writer_threads)
         EX = make("bf16")
-        windows = {d: plan_windows(plan_shards(source.lengths, SHARD_BYTES // bytes_per_token(info.hidden_size, d)))
+        per_shard = {d: default_shard_tokens(source.lengths, info.hidden_size, d) for d in ("bf16", "fp8")}
+        windows = {d: plan_windows(plan_shards(source.lengths, per_shard[d]))
                   for d in ("bf16", "fp8")}  # fmt: skip  (windows of shards, as `eyas extract` runs them)
         outs = [Path(o) for o in args.out] if args.out else [tmp / "features"]
         # warm-up, one whole pass: CUDA context, allocator, and cuBLAS' first call on every batch shape (the

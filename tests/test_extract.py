@@ -174,6 +174,28 @@ def test_plans():
     assert plan_windows([(0, 0)]) == [[(0, 0)]]
 
 
+def test_default_shards_stay_within_shard_bytes():
+    """Default shards hold at most SHARD_BYTES of states (a shard's pinned buffer, rounded up to the pool's
+    grain, stays exactly 1 GiB: PyTorch's pinned allocator would round anything above to 2 GiB), and come
+    within one longest row of it."""
+    import numpy as np
+
+    from eyas.extract import SHARD_BYTES, _HostBuffers
+    from eyas.features import NUM_STATES, STORAGE_DTYPES, bytes_per_token
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(450), 0.8, 40_000).astype(int), 16, 4096)
+    for H, dtype in [(576, "bf16"), (576, "fp8"), (4096, "bf16"), (7168, "fp8")]:
+        n = extract_mod.default_shard_tokens(lengths, H, dtype)
+        shards = plan_shards(lengths, n)
+        state_bytes = [int(lengths[s:e].sum()) * NUM_STATES * H * STORAGE_DTYPES[dtype].itemsize for s, e in shards]
+        assert max(state_bytes) <= SHARD_BYTES, (H, dtype)
+        grain = _HostBuffers.GRAIN
+        assert max(-(-b // grain) * grain for b in state_bytes) == SHARD_BYTES, (H, dtype)
+        full = [int(lengths[s:e].sum()) * bytes_per_token(H, dtype) for s, e in shards[:-1]]
+        assert min(full) >= SHARD_BYTES - 2 * 4096 * bytes_per_token(H, dtype), (H, dtype)
+
+
 def test_resume_inside_a_window_keeps_its_written_shards(make_tiny, tmp_path, monkeypatch):
     """A run that stops in the middle of a window (here: the writer fails on the window's third shard) is
     finished by a rerun that computes the whole window again, keeps the shards already written and writes the

@@ -144,6 +144,16 @@ def check_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     return sorted(ids)
 
 
+def default_shard_tokens(lengths: np.ndarray, hidden_size: int, dtype: str) -> int:
+    """Tokens per shard for shards of at most ``SHARD_BYTES`` (a shard closes at the row that reaches its token
+    count, so room is left for the longest row). The bound matters on a GPU: PyTorch's pinned-memory allocator
+    rounds every block up to a power of two (``CachingHostAllocator::allocate``, ATen/core/CachingHostAllocator.h,
+    unless ``pinned_max_round_threshold`` is set), so a shard's buffer just over 1 GiB would pin 2 GiB."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    per_token = bytes_per_token(hidden_size, dtype)
+    return max(1, (SHARD_BYTES - longest * per_token) // per_token)
+
+
 def plan_shards(lengths: np.ndarray, shard_tokens: int) -> list[tuple[int, int]]:
     """Cut rows into contiguous shards ``[start, end)`` of at least ``shard_tokens`` tokens (the last may be
     smaller); a row is never split. Depends only on the lengths, so every rank computes the same plan."""
@@ -601,7 +611,7 @@ def extract(
         dtype: stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).
         device: cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU.
         device_map: 'auto' spreads a verifier larger than one GPU over all of them (one process only).
-        shard_tokens: tokens per shard (default: about 1 GiB of features per shard).
+        shard_tokens: tokens per shard (default: shards of at most 1 GiB).
         speculators_out: also write the features in speculators' offline layout to this directory.
         verify: check the shards of this finished output against its manifest (hashes) and exit.
     """
@@ -662,7 +672,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     batch_tokens = batch_tokens or BATCH_TOKENS["cuda" if on_cuda else "cpu"]
     source = PreparedRows(ds, data)
     H = info.hidden_size
-    shard_tokens = shard_tokens or max(1, SHARD_BYTES // bytes_per_token(H, dtype))
+    shard_tokens = shard_tokens or default_shard_tokens(source.lengths, H, dtype)
     shards = plan_shards(source.lengths, shard_tokens)
     inputs = {"verifier": fp, "data": source.identity()}
     settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
