@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import sys
 import time
@@ -69,29 +68,27 @@ class ChatTemplate:
     """The verifier's chat template, probed once: how each assistant turn is delimited in the rendered text."""
 
     def __init__(self, tokenizer, *, where: str) -> None:
-        from eyas.verifier import chat_template_hash
+        from eyas.verifier import chat_template_hash, control_tokens, end_of_turn_token
 
         if not getattr(tokenizer, "chat_template", None):
             raise EyasError(f"the tokenizer of {where} has no chat template; eyas masks turns through it")
         self.tok = tokenizer
         self.where = where
         self.sha256 = chat_template_hash(tokenizer)
-        control = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-        control |= set(tokenizer.all_special_tokens)
-        self.control_re = re.compile("|".join(re.escape(t) for t in sorted(control, key=len, reverse=True) if t))
+        self.control_re = control_tokens(tokenizer)
         probe = [{"role": "user", "content": PROBE_Q}, {"role": "assistant", "content": PROBE_A}]
         full = self.render(probe)
         k = full.find(PROBE_A)
         if k < 0:
             raise EyasError(f"the chat template of {where} drops the assistant's text ({full!r}); eyas cannot mask it")
-        m = self.control_re.search(full, k + len(PROBE_A))
-        if m is None:
+        eot = end_of_turn_token(tokenizer, full, PROBE_A)
+        if eot is None:
             raise EyasError(
                 f"the chat template of {where} writes no control token after an assistant message "
                 f"(it renders {full[k:]!r}), so eyas cannot tell where an assistant turn ends; "
                 "use a template that closes each turn with an end-of-turn token"
             )
-        self.eot = m.group(0)
+        self.eot = eot
         self.eot_id = tokenizer.convert_tokens_to_ids(self.eot)
         try:  # two exchanges: the second must split where the first did
             self.spans(probe + [{"role": "user", "content": PROBE_Q + " 2"}, {"role": "assistant", "content": PROBE_A}])

@@ -493,17 +493,15 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     Passed explicitly to every decoding loop: on the GPU machine, ``generate`` on the GGUF SmolLM2 ran past
     ``<|im_end|>`` when left to its defaults.
     """
+    from eyas.verifier import end_of_turn_token
+
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     answer = "eyas probe answer"
     with contextlib.suppress(Exception):  # a template that cannot render the probe still leaves the EOS
         probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
-        text = tokenizer.apply_chat_template(probe, tokenize=False)
-        tail = text[text.index(answer) + len(answer) :]
-        added = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-        specials = sorted(set(tokenizer.all_special_tokens) | added, key=len, reverse=True)
-        hits = [(tail.find(s), s) for s in specials if s and s in tail]
-        if hits:
-            ids.add(tokenizer.convert_tokens_to_ids(min(hits)[1]))
+        eot = end_of_turn_token(tokenizer, tokenizer.apply_chat_template(probe, tokenize=False), answer)
+        if eot is not None:
+            ids.add(tokenizer.convert_tokens_to_ids(eot))
     if not ids:
         raise EyasError("the verifier's tokenizer has no EOS token and its chat template no end-of-turn token")
     return ids

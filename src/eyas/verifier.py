@@ -744,6 +744,24 @@ def chat_template_hash(tokenizer) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def control_tokens(tokenizer) -> re.Pattern[str] | None:
+    """A pattern matching the tokenizer's special (control) tokens, longest first; None when it has none."""
+    control = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    control |= set(tokenizer.all_special_tokens)
+    alternatives = [re.escape(t) for t in sorted(control, key=len, reverse=True) if t]
+    return re.compile("|".join(alternatives)) if alternatives else None
+
+
+def end_of_turn_token(tokenizer, rendered: str, answer: str) -> str | None:
+    """The control token a chat template writes right after an assistant message (``<|im_end|>`` in ChatML):
+    the first one after ``answer`` in ``rendered``, a conversation the template rendered. None when there is
+    none (or ``answer`` is not in it). `eyas prepare` refuses such a template; `eyas eval` falls back on EOS."""
+    k = rendered.find(answer)
+    pattern = control_tokens(tokenizer)
+    m = pattern.search(rendered, k + len(answer)) if k >= 0 and pattern is not None else None
+    return m.group(0) if m else None
+
+
 def fingerprint(info: VerifierInfo) -> dict[str, Any]:
     """A cheap identity of the verifier: config hash, safetensors header hashes and file sizes.
 
