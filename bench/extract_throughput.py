@@ -125,16 +125,18 @@ def extract_run(extractor: Extractor, source, windows, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cuda = extractor.device.type == "cuda"
-    before = (torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()) if cuda else None
+    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # (absent from older torch: no host figures)
+    before = (torch.cuda.memory_stats(extractor.device), host_stats()) if cuda else None
     extractor.run(source, windows, out, progress=False, on_shard=lambda e: (out / e["file"]).unlink())
     st = extractor.stats
     allocs = {}
     if cuda:  # allocations made during the run: device segments (cudaMalloc), pinned host blocks
-        dev, host = torch.cuda.memory_stats(extractor.device), torch.cuda.host_memory_stats()
+        dev, host = torch.cuda.memory_stats(extractor.device), host_stats()
         allocs = {"device_mallocs": dev.get("num_device_alloc", 0) - before[0].get("num_device_alloc", 0),
                   "host_allocs": host.get("num_host_alloc", 0) - before[1].get("num_host_alloc", 0),
                   "host_alloc_ms": (host.get("host_alloc_time.total", 0)
-                                    - before[1].get("host_alloc_time.total", 0)) / 1e3}  # fmt: skip
+                                    - before[1].get("host_alloc_time.total", 0)) / 1e3,
+                  "pinned_GiB": host.get("allocated_bytes.current", 0) / 2**30}  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     return {"tokens_per_s": st.tokens / st.seconds, "loop_tokens_per_s": st.loop_tokens_per_s,
             "bytes_per_token": st.bytes / st.tokens, "seconds": st.seconds, "waited_s": st.waited_s,
