@@ -18,9 +18,12 @@ hash and write each shard while the following window computes.
 
 Resumable: each rank records finished shards (with sha256) in
 ``.progress-rank{r}.json`` after each shard; a rerun keeps the shards whose
-hash still matches and redoes the rest, byte for byte the same. The manifest is
-written last. Under ``torchrun`` shards are dealt out to ranks, so the output
-is identical to a one-process run. The format is :mod:`eyas.features`.
+hash still matches and redoes the rest (a partly written window is computed
+again whole), byte for byte the same. The manifest is written last. Under
+``torchrun`` whole windows are dealt out to ranks, so every rank forms the
+batches one process would and the output is identical to a one-process run
+(an extraction of fewer windows than ranks leaves some ranks idle). The format
+is :mod:`eyas.features`.
 """
 
 from __future__ import annotations
