@@ -140,7 +140,7 @@ def extract_run(extractor: Extractor, source, windows, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     return {"tokens_per_s": st.tokens / st.seconds, "loop_tokens_per_s": st.loop_tokens_per_s,
             "bytes_per_token": st.bytes / st.tokens, "seconds": st.seconds, "waited_s": st.waited_s,
-            "drain_s": st.drain_s, "write_GBps_per_thread": st.write_GBps_per_thread,
+            "drain_s": st.drain_s, "padding": st.padding, "write_GBps_per_thread": st.write_GBps_per_thread,
             "write_GBps": st.bytes / st.seconds / 1e9, "slowest_window_s": max(st.window_loop_s),
             "median_window_s": float(np.median(st.window_loop_s)), **allocs}  # fmt: skip
 

@@ -293,7 +293,11 @@ def test_rerun_skips_and_reader_dtypes(make_tiny, tmp_path, capsys):
     args = dict(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), shard_tokens=40)
     m = extract(**args)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()}
-    capsys.readouterr()
+    # the summary's padding is the plan's: windows of shards, each batch padded to its longest row
+    lengths = torch.tensor([len(r[0]) for r in rows]).numpy()
+    w = plan_windows(plan_shards(lengths, 40))
+    padded = sum(len(b) * lengths[x[0][0] + b[0]] for x in w for b in plan_batches(lengths[x[0][0] : x[-1][1]], 8192))
+    assert f"({1 - lengths.sum() / padded:.0%} of the forward's tokens were padding)" in capsys.readouterr().out
     assert extract(**args)["outputs"] == m["outputs"]
     assert "nothing to do" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "f").iterdir()} == before

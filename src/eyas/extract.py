@@ -262,6 +262,12 @@ class RunStats:
     write_s: float  # writer threads' busy time, summed (hashing, writing, fsync)
     bytes: int
     window_loop_s: list[float]  # the forward loop's time on each window (its wait for writers included)
+    forward_tokens: int  # tokens the forward passes ran, padding included
+
+    @property
+    def padding(self) -> float:
+        """The fraction of the forward's tokens that were padding."""
+        return 1 - self.tokens / max(self.forward_tokens, 1)
 
     @property
     def loop_tokens_per_s(self) -> float:
@@ -370,7 +376,7 @@ class Extractor:
                     jobs[k].ready.append(ready)
 
     def window(self, cap: HiddenStateCapture, source: RowSource, window: list[tuple[int, int]], skip: Container[str],
-               on_batch: Callable[[int], None] | None = None) -> list[_ShardJob]:  # fmt: skip
+               on_batch: Callable[[int, int], None] | None = None) -> list[_ShardJob]:  # fmt: skip
         """Run one window: its rows sorted by length and batched together, each row's states staged in its
         shard's buffer. Returns the jobs of the shards not in ``skip`` (rows of skipped shards are computed, so
         that every batch is the one an uninterrupted run forms, and dropped)."""
@@ -394,8 +400,8 @@ class Extractor:
         try:
             for batch in plan_batches(lengths, self.batch_tokens):
                 self._stage(jobs, owner, local, lengths, batch, *self._run_batch(cap, rows, batch))
-                if on_batch is not None:
-                    on_batch(int(lengths[batch].sum()))
+                if on_batch is not None:  # (tokens, tokens with padding)
+                    on_batch(int(lengths[batch].sum()), len(batch) * int(lengths[batch[0]]))
         except BaseException:
             for job in jobs.values():  # nothing will write them
                 for ev in job.ready:
@@ -432,7 +438,13 @@ class Extractor:
                          window=max((len(w) for w in windows), default=1))  # fmt: skip
         cap = HiddenStateCapture(self.model, self.layer_ids)
         bar = tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress, smoothing=0.1)
-        t0, waited, per_window = time.perf_counter(), 0.0, []
+        t0, waited, per_window, forward_tokens = time.perf_counter(), 0.0, [], 0
+
+        def on_batch(tokens: int, padded: int) -> None:
+            nonlocal forward_tokens
+            forward_tokens += padded
+            bar.update(tokens)
+
         try:
             for window in windows:
                 tw = time.perf_counter()
@@ -440,7 +452,7 @@ class Extractor:
                     if shard_name(*sh) not in skip:
                         writer.reserve()  # blocks while every writer is busy: the disk is the bound
                 waited += time.perf_counter() - tw
-                for job in self.window(cap, source, window, skip, on_batch=bar.update):
+                for job in self.window(cap, source, window, skip, on_batch=on_batch):
                     writer.submit(job)
                 per_window.append(time.perf_counter() - tw)
             if self.cuda:  # the forward loop ends when its last copies are done, not when they are queued
@@ -450,7 +462,7 @@ class Extractor:
             end_t = time.perf_counter()
             self.stats = RunStats(tokens=total, seconds=end_t - t0, loop_s=t_loop - t0, waited_s=waited,
                                   drain_s=end_t - t_loop, write_s=writer.busy_s, bytes=writer.bytes,
-                                  window_loop_s=per_window)  # fmt: skip
+                                  window_loop_s=per_window, forward_tokens=forward_tokens)  # fmt: skip
         finally:
             cap.remove()
             bar.close()
@@ -720,21 +732,21 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
         total_need = sum(d.all_gather(need))
         check_free_disk(out, needed=total_need, what=f"extracting {len(shards)} shard(s) of {dtype} features")
         record = _Progress(out / f".progress-rank{d.rank}.json", plan, kept)
-        tokens_done, elapsed = 0, 0.0
+        tokens_done, elapsed, forward_tokens = 0, 0.0, 0
         if todo:
             model = build_text_model(info, dtype=compute_dtype, device=where, device_map=device_map)
             extractor = Extractor(model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens)
             t0 = time.perf_counter()
             extractor.run(source, mine, out, skip=kept, on_shard=record.add, progress=d.is_main)
             elapsed = time.perf_counter() - t0
-            tokens_done = extractor.stats.tokens  # (a window that was partly written is computed whole)
             st = extractor.stats
+            tokens_done, forward_tokens = st.tokens, st.forward_tokens  # (a partly written window is computed whole)
             if st.waited_s > 0.1 * st.seconds:
                 print(f"rank {d.rank}: writing was the bound: the verifier waited {st.waited_s:.0f} s of "
                       f"{st.seconds:.0f} s for the {extractor.writer_threads} writer threads "
                       f"({st.write_GBps_per_thread:.2f} GB/s each, {st.bytes / st.seconds / 1e9:.2f} GB/s in all "
                       f"to {out}); a faster disk or --dtype fp8 (half the bytes) would go faster")  # fmt: skip
-        rates = d.all_gather((tokens_done, elapsed))
+        rates = d.all_gather((tokens_done, elapsed, forward_tokens))
         d.barrier("end of extraction")
 
         def finish() -> dict[str, Any]:
@@ -763,11 +775,13 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
         manifest = d.run_on_main(finish)
     if d.is_main:
         tokens, nbytes = manifest["outputs"]["tokens"], manifest["outputs"]["bytes"]
-        done_tokens = sum(t for t, _ in rates)
-        rate = done_tokens / max(max(e for _, e in rates), 1e-9)
+        done_tokens = sum(t for t, _, _ in rates)
+        rate = done_tokens / max(max(e for _, e, _ in rates), 1e-9)
+        padding = 1 - done_tokens / max(sum(f for _, _, f in rates), 1)
         print(f"extracted {manifest['num_rows']} rows, {tokens} tokens into {len(shards)} shard(s) in {out}: "
               f"{human_bytes(nbytes)}, {nbytes / max(tokens, 1):.0f} bytes/token ({dtype}), layers {layer_ids}"
-              + (f"; {done_tokens} tokens this run at {rate:,.0f} tokens/s" if done_tokens else ""))  # fmt: skip
+              + (f"; {done_tokens} tokens this run at {rate:,.0f} tokens/s ({padding:.0%} of the forward's tokens "
+                 "were padding)" if done_tokens else ""))  # fmt: skip
         if speculators_out:
             path = features.write_speculators(out, out=speculators_out)
             print(f"speculators' offline layout written to {path}")
