@@ -265,6 +265,25 @@ def test_kill_9_then_rerun_is_byte_identical(make_tiny, tmp_path):
     assert verify(out)["shards"] == 120
 
 
+def test_slow_writes_are_named_as_the_bound(make_tiny, tmp_path, monkeypatch, capsys):
+    """When the writers cannot keep up, the forward waits for them (memory stays bounded) and the summary says
+    that writing was the bound."""
+    t = make_tiny("llama")
+    prep = _prepared(tmp_path / "prep", t.path, _rows(16, seed=29, lo=2, hi=6))
+    write_shard = extract_mod.features.write_shard
+
+    def slow(*a, **k):
+        time.sleep(0.15)
+        return write_shard(*a, **k)
+
+    monkeypatch.setattr(extract_mod.features, "write_shard", slow)
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp32", shard_tokens=1,
+            batch_tokens=8)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "writing was the bound: the verifier waited" in out and "for its 1 writer thread(s)" in out
+    assert verify(tmp_path / "f")["shards"] == 16
+
+
 def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
     t = make_tiny("llama")
     prep = _prepared(tmp_path / "prep", t.path, _rows(6, seed=7))

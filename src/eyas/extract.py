@@ -743,7 +743,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             tokens_done, forward_tokens = st.tokens, st.forward_tokens  # (a partly written window is computed whole)
             if st.waited_s > 0.1 * st.seconds:
                 print(f"rank {d.rank}: writing was the bound: the verifier waited {st.waited_s:.0f} s of "
-                      f"{st.seconds:.0f} s for the {extractor.writer_threads} writer threads "
+                      f"{st.seconds:.0f} s for its {extractor.writer_threads} writer thread(s) "
                       f"({st.write_GBps_per_thread:.2f} GB/s each, {st.bytes / st.seconds / 1e9:.2f} GB/s in all "
                       f"to {out}); a faster disk or --dtype fp8 (half the bytes) would go faster")  # fmt: skip
         rates = d.all_gather((tokens_done, elapsed, forward_tokens))
