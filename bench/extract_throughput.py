@@ -91,16 +91,17 @@ def batches(source, windows):
 
 
 @torch.inference_mode()
-def bare(source, windows, limit: int | None = None) -> float:
-    """tokens/s of the backbone alone on the same padded batches (ids built the same way)."""
-    tokens, t0 = 0, time.perf_counter()
-    for k, (rows, batch) in enumerate(batches(source, windows)):
-        if limit is not None and k >= limit:
-            break
-        EX.backbone(input_ids=EX.padded(rows, batch), use_cache=False)
+def bare(source, windows) -> tuple[float, float]:
+    """tokens/s of the backbone alone on the same padded batches (ids built the same way), and the fraction of
+    the tokens it ran that were padding."""
+    tokens, forward_tokens, t0 = 0, 0, time.perf_counter()
+    for rows, batch in batches(source, windows):
+        ids = EX.padded(rows, batch)
+        EX.backbone(input_ids=ids, use_cache=False)
         tokens += sum(len(rows[r][0]) for r in batch)
+        forward_tokens += ids.numel()
     sync(EX.device)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), 1 - tokens / max(forward_tokens, 1)
 
 
 def capture_only(extractor: Extractor, source, windows) -> float:
@@ -212,18 +213,17 @@ def main() -> None:
         extract_run(EX, source, windows["bf16"][: -(-(EX.writer_threads + WINDOW_SHARDS) // WINDOW_SHARDS)], outs[0])
         # each dtype against the bare forward on its own batches: fp8 shards hold twice the tokens, so its windows
         # sort more rows together and pad less
-        bare1 = {d: bare(source, w) for d, w in windows.items()}
+        bare1 = {d: bare(source, w)[0] for d, w in windows.items()}
         cap = {} if args.no_capture_only else {"bf16": capture_only(EX, source, windows["bf16"]),
                                                 "fp8": capture_only(ex8, source, windows["fp8"])}  # fmt: skip
         extractors = {"bf16": EX, "fp8": ex8}
         order = args.order.split(",")
         runs = {str(o): {f"{d}#{p}" if args.passes > 1 else d: extract_run(extractors[d], source, windows[d], o)
                          for p in range(1, args.passes + 1) for d in order} for o in outs}  # fmt: skip
-        bare2 = {d: bare(source, w) for d, w in windows.items()}
+        bare2, padding = {}, {}
+        for d, w in windows.items():
+            bare2[d], padding[d] = bare(source, w)
         base = {d: (bare1[d] + bare2[d]) / 2 for d in windows}
-        padded = {d: sum(len(b) * source.lengths[w[0][0] + b[0]] for w in ws
-                         for b in plan_batches(source.lengths[w[0][0] : w[-1][1]], batch_tokens))
-                  for d, ws in windows.items()}  # fmt: skip
         for where in runs.values():
             for name, r in where.items():
                 d = name.split("#")[0]
@@ -240,7 +240,7 @@ def main() -> None:
             "compute_dtype": str(compute).removeprefix("torch."),
             "rows": len(source.lengths),
             "tokens": int(source.lengths.sum()),
-            "padding_fraction": {d: round(1 - int(source.lengths.sum()) / int(p), 4) for d, p in padded.items()},
+            "padding_fraction": {d: round(p, 4) for d, p in padding.items()},
             "batch_tokens": batch_tokens,
             "writer_threads": EX.writer_threads,
             "shards": {d: sum(len(w) for w in v) for d, v in windows.items()},

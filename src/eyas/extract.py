@@ -736,11 +736,10 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
         if todo:
             model = build_text_model(info, dtype=compute_dtype, device=where, device_map=device_map)
             extractor = Extractor(model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens)
-            t0 = time.perf_counter()
             extractor.run(source, mine, out, skip=kept, on_shard=record.add, progress=d.is_main)
-            elapsed = time.perf_counter() - t0
             st = extractor.stats
-            tokens_done, forward_tokens = st.tokens, st.forward_tokens  # (a partly written window is computed whole)
+            # (a partly written window is computed whole, so these count its kept shards' tokens too)
+            tokens_done, elapsed, forward_tokens = st.tokens, st.seconds, st.forward_tokens
             if st.waited_s > 0.1 * st.seconds:
                 print(f"rank {d.rank}: writing was the bound: the verifier waited {st.waited_s:.0f} s of "
                       f"{st.seconds:.0f} s for its {extractor.writer_threads} writer thread(s) "
