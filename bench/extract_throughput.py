@@ -10,9 +10,11 @@ length-sorted, right-padded batches, same dtype, no hooks, nothing kept). Both r
     # anywhere (CPU, tiny random Llama), to check that the script works:
     PYTHONPATH=src python3 bench/extract_throughput.py --smoke
 
-Runs, in order: warm-up, bare forward, capture only (forward + hooks + gather + device-to-host copy, nothing
+Runs, in order: first passes of the bare forward over unseen batch shapes (torch's default attention backends,
+then the order extraction uses), warm-up, bare forward, capture only (forward + hooks + gather + device-to-host copy, nothing
 written; bf16 and fp8), extract bf16 and fp8 into each --out, bare forward again. The batches are those `eyas
-extract` forms (rows sorted by length inside windows of shards), and each dtype is compared with the bare forward
+extract` forms (rows sorted by length inside windows of shards), run with extraction's attention backend order,
+and each dtype is compared with the bare forward
 on its own batches (fp8 shards hold twice the tokens, so its windows pad less). Prints one JSON line: tokens/s of
 each, the ratios against the mean of the two bare runs, bytes per token as written, the write bandwidth, and
 where the time went (waits for a free writer, the final drain). Two extraction rates: end to end, and over the
@@ -23,6 +25,7 @@ the last window's shards after the last forward (``drain_s``), does not grow wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import platform
@@ -42,7 +45,7 @@ except ImportError:  # run from a checkout without installing
 
 from eyas.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
                           default_shard_tokens, plan_batches, plan_shards, plan_windows)
-from eyas.verifier import HiddenStateCapture, build_text_model, resolve
+from eyas.verifier import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
 
 
 def synthetic_rows(n: int, vocab: int, *, median: int, max_len: int, seed: int = 0) -> InMemoryRows:
@@ -91,13 +94,15 @@ def batches(source, windows):
 
 
 @torch.inference_mode()
-def bare(source, windows) -> tuple[float, float]:
+def bare(source, windows, attention: str = "eyas") -> tuple[float, float]:
     """tokens/s of the backbone alone on the same padded batches (ids built the same way), and the fraction of
-    the tokens it ran that were padding."""
+    the tokens it ran that were padding. ``attention``: "eyas" runs SDPA with the backend order extraction uses
+    (:func:`eyas.verifier.varying_shape_attention`), "default" with torch's own."""
     tokens, forward_tokens, t0 = 0, 0, time.perf_counter()
     for rows, batch in batches(source, windows):
         ids = EX.padded(rows, batch)
-        EX.backbone(input_ids=ids, use_cache=False)
+        with varying_shape_attention(EX.device) if attention == "eyas" else contextlib.nullcontext():
+            EX.backbone(input_ids=ids, use_cache=False)
         tokens += sum(len(rows[r][0]) for r in batch)
         forward_tokens += ids.numel()
     sync(EX.device)
@@ -202,9 +207,11 @@ def main() -> None:
         windows = {d: plan_windows(plan_shards(source.lengths, per_shard[d]))
                   for d in ("bf16", "fp8")}  # fmt: skip  (windows of shards, as `eyas extract` runs them)
         outs = [Path(o) for o in args.out] if args.out else [tmp / "features"]
-        # warm-up, one whole pass: CUDA context, allocator, and cuBLAS' first call on every batch shape (the
-        # first pass runs at half speed on an H200)
-        bare(source, windows["bf16"])
+        # First passes over batch shapes never seen: what one pass over a dataset meets. With torch's default
+        # backends an H200 runs cuDNN attention, which plans every new shape (bench/gpu/cold_shapes.py); the
+        # order extraction uses has no per-shape setup. The first also warms the CUDA context and allocator.
+        first = {"default": bare(source, windows["bf16"], "default")[0], "eyas": bare(source, windows["fp8"])[0]}
+        bare(source, windows["bf16"])  # warm-up of the order extraction uses on bf16's shapes
         ex8 = make("fp8")
         ex8.buffers = EX.buffers
         capture_only(EX, source, windows["bf16"][:1])
@@ -224,6 +231,7 @@ def main() -> None:
         for d, w in windows.items():
             bare2[d], padding[d] = bare(source, w)
         base = {d: (bare1[d] + bare2[d]) / 2 for d in windows}
+        default_warm = bare(source, windows["bf16"], "default")[0]  # its shapes seen once, in the first pass
         for where in runs.values():
             for name, r in where.items():
                 d = name.split("#")[0]
@@ -248,6 +256,8 @@ def main() -> None:
             "model_load_s": round(load_s, 1),
             "sha256_GBps_one_thread": round(hash_GBps(), 2),
             "bare_tokens_per_s": {d: [round(bare1[d]), round(bare2[d])] for d in windows},
+            "bare_first_pass_tokens_per_s": {k: round(v) for k, v in first.items()},  # default: bf16's, eyas: fp8's
+            "bare_default_attention_warm_bf16": round(default_warm),
             "capture_only_tokens_per_s": {d: round(v) for d, v in cap.items()},
             "ratio_capture_only": {d: round(v / base[d], 3) for d, v in cap.items()},
             "extract": runs,  # per output dir and dtype; "ratio" end to end, "ratio_loop" the steady state

@@ -225,3 +225,25 @@ def test_capture_equals_output_hidden_states(make_tiny, name):
     with torch.no_grad(), HiddenStateCapture(model, info.aux_layer_ids) as cap:
         model(ids)
     assert torch.equal(cap.aux(), want)
+
+
+def test_varying_shape_attention_orders_sdpa_backends_on_cuda_only():
+    """Extraction and online features run every batch at a new shape: on CUDA, SDPA must try flash and
+    memory-efficient attention (no per-shape setup) before cuDNN (a plan per shape), with nothing disabled,
+    and the previous order must come back after. Off CUDA nothing changes."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+
+    from eyas.verifier import varying_shape_attention
+
+    # cuDNN first, as torch orders them on an H200
+    h200 = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(h200, set_priority=True):
+        before = _cur_sdpa_kernel_backends(with_priority=True)
+        assert before[0] == SDPBackend.CUDNN_ATTENTION
+        with varying_shape_attention("cuda"):
+            inside = _cur_sdpa_kernel_backends(with_priority=True)
+        assert inside[:2] == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        assert inside.index(SDPBackend.CUDNN_ATTENTION) > 1 and SDPBackend.MATH in inside
+        assert _cur_sdpa_kernel_backends(with_priority=True) == before
+        with varying_shape_attention("cpu"):
+            assert _cur_sdpa_kernel_backends(with_priority=True) == before

@@ -45,7 +45,7 @@ import torch
 from eyas import features
 from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
-from eyas.verifier import HiddenStateCapture
+from eyas.verifier import HiddenStateCapture, varying_shape_attention
 
 # Target shard size on disk. Rows are sorted by length and batched inside a window of shards, which must hold
 # many batches for little padding: 256 MiB shards, one per window, padded 32% of the forward's tokens on
@@ -318,7 +318,8 @@ class Extractor:
         index = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lengths)])
         cap.index = index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
         cap.clear()
-        self.backbone(input_ids=ids, use_cache=False)
+        with varying_shape_attention(self.device):  # (no per-shape setup: every batch has a new shape)
+            self.backbone(input_ids=ids, use_cache=False)
         # With --device-map the layers sit on several GPUs: bring every state to the embedding's device, whose
         # streams order the copy to the host below.
         hidden = cap.stacked(self.device)  # [N, 4, H]

@@ -792,6 +792,30 @@ def fingerprint(info: VerifierInfo) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- attention backends
+
+
+def varying_shape_attention(device: torch.device | str):
+    """A context for verifier forwards whose batch shape changes from call to call (extraction, online
+    features): SDPA tries flash and memory-efficient attention before cuDNN's.
+
+    On an H200 (torch 2.11) SDPA picks cuDNN attention, which builds an execution plan for every new shape it
+    sees: 2.4 ms per layer, so a forward of SmolLM2-135M over 32,768 tokens took 109 ms on a new shape against
+    48 ms on a seen one (``bench/gpu/cold_shapes.py``). Length-sorted batches give almost every batch a new
+    shape, so one pass over a dataset paid that every time. Flash and memory-efficient attention need no
+    per-shape setup. cuDNN stays enabled, after them, for inputs neither supports; off CUDA nothing changes.
+    """
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # a torch without backend priorities: leave cuDNN out instead
+        return sdpa_kernel([b for b in order if b != SDPBackend.CUDNN_ATTENTION])
+
+
 # --------------------------------------------------------------------------- capturing hidden states
 
 
@@ -892,7 +916,7 @@ def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int
                           attention_mask: torch.Tensor | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``."""
-    with torch.no_grad(), HiddenStateCapture(model, layer_ids) as cap:
+    with torch.no_grad(), varying_shape_attention(input_ids.device), HiddenStateCapture(model, layer_ids) as cap:
         model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     parts = cap._parts()
     return torch.cat(parts[:-1], dim=-1), parts[-1]
