@@ -284,6 +284,37 @@ def test_slow_writes_are_named_as_the_bound(make_tiny, tmp_path, monkeypatch, ca
     assert verify(tmp_path / "f")["shards"] == 16
 
 
+def test_shard_buffers_of_a_run_are_one_size(make_tiny, tmp_path):
+    """Shards of one run differ in size by up to a row; their host buffers must not (a pool of mixed sizes kept
+    pinning new 1 GiB buffers on a GPU): every buffer has the largest shard's size, and no more are made than
+    can be in flight."""
+    from eyas.verifier import build_text_model, resolve
+
+    t = make_tiny("llama")
+    rows = _rows(40, seed=41, lo=2, hi=30)
+    source = extract_mod.InMemoryRows(rows)
+    ex = extract_mod.Extractor(build_text_model(resolve(t.path)), layer_ids=[2, 4, 5], dtype="bf16", batch_tokens=64)
+    ex.buffers.GRAIN = 1  # exact sizes (a GPU run rounds them up to 64 MiB)
+    made = []
+    acquire = ex.buffers.acquire
+
+    def counting(nbytes):
+        free = len(ex.buffers._free)
+        buf = acquire(nbytes)
+        if len(ex.buffers._free) == free:
+            made.append(buf.numel())
+        return buf
+
+    ex.buffers.acquire = counting
+    shards = extract_mod.plan_shards(source.lengths, 60)
+    sizes = {int(source.lengths[s:e].sum()) for s, e in shards}
+    assert len(sizes) > 2
+    ex.run(source, extract_mod.plan_windows(shards), tmp_path / "f", progress=False)
+    per_token = 4 * 64 * 2  # (3 aux states + last) x H x bf16
+    assert set(made) == {max(sizes) * per_token}
+    assert len(made) <= ex.buffers.keep and {b.numel() for b in ex.buffers._free} == set(made)
+
+
 def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
     t = make_tiny("llama")
     prep = _prepared(tmp_path / "prep", t.path, _rows(6, seed=7))

@@ -297,6 +297,9 @@ class Extractor:
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # kept across runs: a second run (the benchmark's, or the next rank's shards) reuses them
         self.buffers = _HostBuffers(pinned=self.cuda, keep=self.writer_threads + WINDOW_SHARDS + 1)
+        # every shard buffer of a run has the size of its largest shard: buffers sized per shard (shards differ by
+        # up to a row) left the pool holding some a grain too small, and pinning 1 GiB anew takes about 0.25 s
+        self.buffer_bytes = 0
         self.stats: RunStats | None = None
 
     def padded(self, rows: list[tuple[np.ndarray, np.ndarray]], batch: list[int]) -> torch.Tensor:
@@ -338,7 +341,7 @@ class Extractor:
         dt = STORAGE_DTYPES[self.dtype]
         N = int(offsets[-1])
         nbytes = N * NUM_STATES * H * dt.itemsize
-        buf = self.buffers.acquire(nbytes)
+        buf = self.buffers.acquire(max(nbytes, self.buffer_bytes))
         hidden = buf[:nbytes].view(dt).view(N, NUM_STATES, H)
         scales = torch.ones(len(rows), NUM_STATES) if self.dtype == "fp8" else None
         return _ShardJob(start, end, rows, buf, hidden, offsets, scales)
@@ -435,6 +438,9 @@ class Extractor:
 
         windows = [w for w in windows if any(shard_name(*sh) not in skip for sh in w)]
         total = int(sum(source.lengths[w[0][0] : w[-1][1]].sum() for w in windows))
+        H = self.backbone.get_input_embeddings().embedding_dim
+        per_token = NUM_STATES * H * STORAGE_DTYPES[self.dtype].itemsize
+        self.buffer_bytes = max((int(source.lengths[s:e].sum()) * per_token for w in windows for s, e in w), default=0)
         writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads,
                          window=max((len(w) for w in windows), default=1))  # fmt: skip
         cap = HiddenStateCapture(self.model, self.layer_ids)
