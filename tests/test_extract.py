@@ -28,17 +28,6 @@ EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _rows(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        t = rng.randint(lo, hi)
-        ids = [rng.randrange(3, tiny.VOCAB) for _ in range(t)]
-        mask = [0] * (t // 2) + [1] * (t - t // 2)
-        rows.append((ids, mask))
-    return rows
-
-
 def _prepared(path: Path, verifier: Path, rows) -> Path:
     return tiny.write_prepared(path, rows, verifier=verifier)
 
@@ -58,7 +47,7 @@ def test_states_equal_transformers_bit_for_bit(make_tiny, tmp_path, name):
     """fp32 on CPU, one row per forward: the aux states are transformers' output_hidden_states[i] bit for bit,
     the last state is the last decoder layer's output (pre-norm), whose norm is transformers' last entry."""
     t = make_tiny(name)
-    rows = _rows(4, seed=len(name))
+    rows = tiny.random_rows(4, seed=len(name))
     prep = _prepared(tmp_path / "prep", t.path, rows)
     m = extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp32", batch_tokens=1,
                 shard_tokens=50)  # fmt: skip
@@ -88,7 +77,7 @@ def test_batched_equals_one_row_at_a_time(make_tiny, tmp_path, monkeypatch):
     """Length-sorted, right-padded batches give every row the states it gets alone (up to float summation
     order), and what sits in the padding never reaches a stored row (bit for bit)."""
     t = make_tiny("llama")
-    rows = _rows(9, seed=3, lo=2, hi=30)
+    rows = tiny.random_rows(9, seed=3, lo=2, hi=30)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", shard_tokens=60)
     extract(**common, out=str(tmp_path / "one"), batch_tokens=1)
@@ -201,7 +190,7 @@ def test_resume_inside_a_window_keeps_its_written_shards(make_tiny, tmp_path, mo
     finished by a rerun that computes the whole window again, keeps the shards already written and writes the
     rest at their rows: byte-identical to an uninterrupted run."""
     t = make_tiny("llama")
-    rows = _rows(12, seed=23, lo=2, hi=12)
+    rows = tiny.random_rows(12, seed=23, lo=2, hi=12)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     args = dict(verifier=str(t.path), data=str(prep), dtype="fp8", shard_tokens=1, batch_tokens=40)
     ref = extract(**args, out=str(tmp_path / "ref"))
@@ -233,7 +222,7 @@ def _cli_extract(t, prep: Path, out: Path, *extra: str) -> list[str]:
 
 def test_kill_9_then_rerun_is_byte_identical(make_tiny, tmp_path):
     t = make_tiny("llama")
-    rows = _rows(120, seed=5, lo=2, hi=12)
+    rows = tiny.random_rows(120, seed=5, lo=2, hi=12)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     ref = extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "ref"), dtype="fp32", shard_tokens=1,
                   batch_tokens=16)  # fmt: skip
@@ -269,7 +258,7 @@ def test_slow_writes_are_named_as_the_bound(make_tiny, tmp_path, monkeypatch, ca
     """When the writers cannot keep up, the forward waits for them (memory stays bounded) and the summary says
     that writing was the bound."""
     t = make_tiny("llama")
-    prep = _prepared(tmp_path / "prep", t.path, _rows(16, seed=29, lo=2, hi=6))
+    prep = _prepared(tmp_path / "prep", t.path, tiny.random_rows(16, seed=29, lo=2, hi=6))
     write_shard = extract_mod.features.write_shard
 
     def slow(*a, **k):
@@ -291,7 +280,7 @@ def test_shard_buffers_of_a_run_are_one_size(make_tiny, tmp_path):
     from eyas.verifier import build_text_model, resolve
 
     t = make_tiny("llama")
-    rows = _rows(40, seed=41, lo=2, hi=30)
+    rows = tiny.random_rows(40, seed=41, lo=2, hi=30)
     source = extract_mod.InMemoryRows(rows)
     ex = extract_mod.Extractor(build_text_model(resolve(t.path)), layer_ids=[2, 4, 5], dtype="bf16", batch_tokens=64)
     ex.buffers.GRAIN = 1  # exact sizes (a GPU run rounds them up to 64 MiB)
@@ -317,7 +306,7 @@ def test_shard_buffers_of_a_run_are_one_size(make_tiny, tmp_path):
 
 def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
     t = make_tiny("llama")
-    prep = _prepared(tmp_path / "prep", t.path, _rows(6, seed=7))
+    prep = _prepared(tmp_path / "prep", t.path, tiny.random_rows(6, seed=7))
     out = tmp_path / "f"
     m = extract(verifier=str(t.path), data=str(prep), out=str(out), dtype="bf16", shard_tokens=30)
     names = [s["file"] for s in m["outputs"]["shards"]]
@@ -338,7 +327,7 @@ def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
 
 def test_rerun_skips_and_reader_dtypes(make_tiny, tmp_path, capsys):
     t = make_tiny("qwen3")
-    rows = _rows(5, seed=11)
+    rows = tiny.random_rows(5, seed=11)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     args = dict(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), shard_tokens=40)
     m = extract(**args)
@@ -362,7 +351,7 @@ def test_rerun_skips_and_reader_dtypes(make_tiny, tmp_path, capsys):
 
 def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
     t = make_tiny("llama")
-    rows = _rows(6, seed=13, lo=10, hi=40)
+    rows = tiny.random_rows(6, seed=13, lo=10, hi=40)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     # small shards: a window's batches mix rows of several shards, whose scales must reach their own rows
     made = {d: extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / d), dtype=d, batch_tokens=64,
@@ -394,7 +383,7 @@ def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys, name):
     assert q["format"] == "pack-quantized" and q["config_groups"]["group_0"]["weights"]["group_size"] == 32
     assert cli_main(["inspect", str(t.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"] == "compressed-tensors"
-    rows = _rows(3, seed=17)
+    rows = tiny.random_rows(3, seed=17)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp32", batch_tokens=1)
     reader, ref = FeatureReader(tmp_path / "f"), t.reference()
@@ -412,7 +401,7 @@ def test_speculators_offline_layout(make_tiny, tmp_path):
     from safetensors.torch import load_file
 
     t = make_tiny("llama")
-    rows = _rows(4, seed=19)
+    rows = tiny.random_rows(4, seed=19)
     prep = _prepared(tmp_path / "prep", t.path, rows)
     extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp8",
             speculators_out=str(tmp_path / "spec"))  # fmt: skip
@@ -430,7 +419,7 @@ def test_speculators_offline_layout(make_tiny, tmp_path):
 
 def test_refusals(make_tiny, tmp_path, monkeypatch):
     llama, qwen = make_tiny("llama"), make_tiny("qwen3")
-    prep = _prepared(tmp_path / "prep", llama.path, _rows(3, seed=23))
+    prep = _prepared(tmp_path / "prep", llama.path, tiny.random_rows(3, seed=23))
     with pytest.raises(EyasError, match="another verifier"):
         extract(verifier=str(qwen.path), data=str(prep), out=str(tmp_path / "a"))
     for bad in ([0, 2, 4], [2, 2, 4], [2, 4, 8], [2, 4]):
@@ -478,7 +467,7 @@ print("ok", len(ds))
 def test_speculators_own_dataset_reads_the_layout(make_tiny, speculators_dir, tmp_path):
     """speculators 0.9.0's ArrowDataset (installed beside our torch by `make setup`) reads what we write."""
     t = make_tiny("llama")
-    prep = _prepared(tmp_path / "prep", t.path, _rows(5, seed=29))
+    prep = _prepared(tmp_path / "prep", t.path, tiny.random_rows(5, seed=29))
     extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="bf16",
             speculators_out=str(tmp_path / "spec"))  # fmt: skip
     env = _env()
@@ -491,7 +480,7 @@ def test_speculators_own_dataset_reads_the_layout(make_tiny, speculators_dir, tm
 def test_device_map_auto_gives_the_same_shards(make_tiny, tmp_path):
     """--device-map auto (accelerate's placement; all on the CPU here) writes what --device cpu writes."""
     t = make_tiny("llama")
-    prep = _prepared(tmp_path / "prep", t.path, _rows(4, seed=31))
+    prep = _prepared(tmp_path / "prep", t.path, tiny.random_rows(4, seed=31))
     common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", batch_tokens=1)
     extract(**common, out=str(tmp_path / "cpu"), device="cpu")
     extract(**common, out=str(tmp_path / "auto"), device_map="auto")

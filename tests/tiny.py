@@ -9,6 +9,7 @@ dict, independently of eyas's loading code.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -256,6 +257,18 @@ BUILDERS: dict[str, Callable[..., Tiny]] = {
     "deepseek_v3": deepseek_v3,
     "kimi_like": kimi_like,
 }
+
+
+def random_rows(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[tuple[list[int], list[int]]]:
+    """``n`` rows of ``lo..hi`` random token ids (never the special ids 0-2), the second half of each row in the
+    loss mask."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        t = rng.randint(lo, hi)
+        ids = [rng.randrange(3, VOCAB) for _ in range(t)]
+        rows.append((ids, [0] * (t // 2) + [1] * (t - t // 2)))
+    return rows
 
 
 def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verifier: Path) -> Path:

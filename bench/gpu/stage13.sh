@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU stage 13 (kind nvidia-h200-x2, carry .whl .carry/whl-min): stage 12 with a kernel profile instead of the
-# sequence-8192 run. GPU 0: extraction, each dtype twice with allocations counted (why a first pass is slow),
-# then the windowed batching at 14M tokens end to end. GPU 1: a torch.profiler kernel table of eyas in
-# speculators' setting at Llama dims (what the non-matmul half of a step is), then Kimi-K2.5 dims, eyas beside
-# speculators 0.9.0 itself (never run before).
+# GPU stage 13 (kind nvidia-h200-x2, carry .whl .carry/whl-min), what the third session left unmeasured, in one
+# call (its planned stage 12 became this, a kernel profile in place of a sequence-8192 run). GPU 0: extraction,
+# each dtype twice with allocations counted (why a first pass is slow), then the windowed batching at 14M tokens
+# end to end. GPU 1: a torch.profiler kernel table of eyas in speculators' setting at Llama dims (what the
+# non-matmul half of a step is), then Kimi-K2.5 dims, eyas beside speculators 0.9.0 itself (never run before).
 source bench/gpu/common.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .carry/whl-min/*.whl
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"

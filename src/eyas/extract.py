@@ -336,13 +336,16 @@ class Extractor:
         scale = features.fp8_scale(amax)
         return features.fp8_encode(hidden, scale[row_of][:, :, None]), scale
 
+    def _states_bytes(self, tokens: int, H: int) -> int:
+        """Bytes of ``tokens`` tokens' states ``[N, 4, H]`` in the storage dtype: a shard buffer's size."""
+        return tokens * NUM_STATES * H * STORAGE_DTYPES[self.dtype].itemsize
+
     def _new_job(self, start: int, end: int, rows: list[tuple[np.ndarray, np.ndarray]], H: int) -> _ShardJob:
         offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in rows])]).astype(np.int64)
-        dt = STORAGE_DTYPES[self.dtype]
         N = int(offsets[-1])
-        nbytes = N * NUM_STATES * H * dt.itemsize
+        nbytes = self._states_bytes(N, H)
         buf = self.buffers.acquire(max(nbytes, self.buffer_bytes))
-        hidden = buf[:nbytes].view(dt).view(N, NUM_STATES, H)
+        hidden = buf[:nbytes].view(STORAGE_DTYPES[self.dtype]).view(N, NUM_STATES, H)
         scales = torch.ones(len(rows), NUM_STATES) if self.dtype == "fp8" else None
         return _ShardJob(start, end, rows, buf, hidden, offsets, scales)
 
@@ -439,8 +442,8 @@ class Extractor:
         windows = [w for w in windows if any(shard_name(*sh) not in skip for sh in w)]
         total = int(sum(source.lengths[w[0][0] : w[-1][1]].sum() for w in windows))
         H = self.backbone.get_input_embeddings().embedding_dim
-        per_token = NUM_STATES * H * STORAGE_DTYPES[self.dtype].itemsize
-        self.buffer_bytes = max((int(source.lengths[s:e].sum()) * per_token for w in windows for s, e in w), default=0)
+        self.buffer_bytes = max((self._states_bytes(int(source.lengths[s:e].sum()), H) for w in windows for s, e in w),
+                                default=0)  # fmt: skip
         writer = _Writer(Path(out), self.layer_ids, done, buffers=self.buffers, threads=self.writer_threads,
                          window=max((len(w) for w in windows), default=1))  # fmt: skip
         cap = HiddenStateCapture(self.model, self.layer_ids)

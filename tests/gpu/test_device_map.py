@@ -7,7 +7,6 @@ larger than a GPU) extracts the same states as on one GPU. Skipped with fewer th
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -32,12 +31,7 @@ def split_map(verifier: Path, devices: tuple) -> dict[str, object]:
 
 def run_both(make_tiny, tmp_path: Path, one: str, devices: tuple) -> tuple[dict, dict]:
     t = make_tiny("llama")
-    rng = random.Random(5)
-    rows = []
-    for _ in range(24):
-        n = rng.randint(3, 60)
-        rows.append(([rng.randrange(3, tiny.VOCAB) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2)))
-    prep = tiny.write_prepared(tmp_path / "prep", rows, verifier=t.path)
+    prep = tiny.write_prepared(tmp_path / "prep", tiny.random_rows(24, seed=5, hi=60), verifier=t.path)
     common = dict(verifier=str(t.path), data=str(prep), batch_tokens=256, dtype="bf16", shard_tokens=300)
     extract(**common, out=str(tmp_path / "one"), device=one)
     extract(**common, out=str(tmp_path / "two"), device_map=split_map(t.path, devices))
