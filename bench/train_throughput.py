@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--full-vocab-accuracy", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--freeze-lm-head", action="store_true", help="as speculators 0.9 always does")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--working-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="eyas' working weights and in-matmul fp32 gradient accumulation (default: on in one process)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--dist", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
@@ -94,13 +96,15 @@ def main(argv: list[str] | None = None) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     prof = _profiler(a.torch_profile, wait=3 if a.smoke else 15) if a.torch_profile else None
+    memory = _memory_probe(skip=2) if torch.cuda.is_available() else None
     t0 = time.perf_counter()
     res = train(verifier=str(inp["verifier"]), data=str(inp["features"]), vocab=str(inp["vocab"]), out=str(out),
                 epochs=1, max_steps=a.steps, max_seq_len=a.seq_len, batch_tokens=batch, ttt_steps=a.ttt_steps,
                 val_ratio=0.0, num_workers=a.num_workers, log_every=a.log_every, save_every=0,
                 profile_every=a.profile_every, optimizer=a.optimizer, full_vocab_accuracy=a.full_vocab_accuracy,
                 compile=a.compile, dist=a.dist, freeze_lm_head=a.freeze_lm_head,
-                gradient_checkpointing=a.gradient_checkpointing, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
+                gradient_checkpointing=a.gradient_checkpointing, working_weights=a.working_weights,
+                norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
     wall = time.perf_counter() - t0
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -112,9 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_step": batch * world,
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
         "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
-        "gradient_checkpointing": a.gradient_checkpointing, "steps": res["steps"], "tokens_per_s": round(tps, 1),
+        "gradient_checkpointing": a.gradient_checkpointing, "working_weights": a.working_weights,
+        "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
         "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
-        "peak_memory_gib": round(res["peak_memory_bytes"] / 2**30, 2) if "peak_memory_bytes" in res else None,
+        "peak_memory_gib": round(max(res["peak_memory_bytes"], memory.pop("run_peak")[0] if memory else 0) / 2**30, 2)
+        if "peak_memory_bytes" in res else None,
         "draft_gflop_per_token": round(flops / 1e9, 3), "tflops": round(tps * flops / 1e12, 1),
         "mfu_vs_790": round(tps * flops / (PEAK_BF16 * world), 4), "wall_s": round(wall, 1), "inputs_s": round(prep_s, 1),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -123,6 +129,38 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         print(json.dumps(result))
     return result
+
+
+def _memory_probe(*, skip: int) -> dict:
+    """Where the peak goes: per optimizer step (after the first ``skip``), the memory held when the step starts
+    (weights, optimizer state, the prefetched batch) and the most the step adds on top (activations, gradients,
+    temporaries), filled in as the run goes; no device sync."""
+    import torch
+
+    from eyas import train as train_mod
+
+    found = {"at_step_start_gib": 0.0, "step_adds_gib": 0.0, "params_gib": 0.0, "optimizer_state_gib": 0.0}
+    step, seen, run_peak = train_mod.Trainer.train_step, [0], [0]
+    gib = lambda n: round(n / 2**30, 3)  # noqa: E731
+
+    def probed(self, item, timer):
+        seen[0] += 1
+        start = torch.cuda.memory_allocated()
+        run_peak[0] = max(run_peak[0], torch.cuda.max_memory_allocated())  # the run's peak survives the resets
+        torch.cuda.reset_peak_memory_stats()
+        step(self, item, timer)
+        if seen[0] > skip:
+            found["at_step_start_gib"] = max(found["at_step_start_gib"], gib(start))
+            found["step_adds_gib"] = max(found["step_adds_gib"], gib(torch.cuda.max_memory_allocated() - start))
+            found["params_gib"] = gib(sum(p.numel() * p.element_size() for p in self.model.parameters())
+                                      + sum(b.numel() * b.element_size() for b in self.model.buffers()))
+            found["optimizer_state_gib"] = gib(sum(t.numel() * t.element_size() for opt in self.optimizers
+                                                   for st in opt.state.values() for t in st.values()
+                                                   if torch.is_tensor(t)))  # fmt: skip
+
+    train_mod.Trainer.train_step = probed
+    found["run_peak"] = run_peak
+    return found
 
 
 def _profiler(active: int, *, wait: int):

@@ -31,6 +31,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from eyas.precision import add_matmul
+
 #: Columns of the per-step statistics that :func:`ttt_loss` returns (sums over positions).
 STAT_COLUMNS = ("kl_sum", "kept", "valid", "correct", "cond_correct", "cond_total")
 
@@ -118,17 +120,6 @@ def _chunk_fn(compiled: bool):
     return _chunk_fns[compiled]
 
 
-def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` accumulated in ``acc``'s dtype: for bf16 inputs on CUDA one cuBLAS call with an fp32
-    output (``torch.addmm(..., out_dtype=)``), so no bf16-rounded partial gradient is ever formed."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif a.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += (a @ b).to(acc.dtype)
-
-
 class _FusedTTTLoss(torch.autograd.Function):
     """Sum over steps and positions of ``weight * KL``, with the gradient computed chunk by chunk in forward."""
 
@@ -154,7 +145,7 @@ class _FusedTTTLoss(torch.autograd.Function):
                 if gh is not None:
                     gh[a:b] = g @ W  # [C, H]
                 if grad_w is not None:
-                    _add_matmul(grad_w, g.t(), hc)  # [N, H]
+                    add_matmul(grad_w, g.t(), hc)  # [N, H]
             grads_h.append(gh)
             kls.append(kl)
             argmaxes.append(am)

@@ -109,6 +109,22 @@ def build_optimizers(model: nn.Module, *, name: str, lr: float, weight_decay: fl
                                {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}], **adamw)]  # fmt: skip
 
 
+def clip_gradients(params: list[torch.Tensor], optimizers: list, max_norm: float) -> torch.Tensor:
+    """Clip the gradients' total norm to ``max_norm`` for the coming optimizer step; returns the norm before.
+
+    With one fused AdamW the gradients are not rescaled in a pass of their own: the fused kernel divides each
+    gradient by the optimizer's ``grad_scale`` as it reads it (the hook ``torch.amp.GradScaler`` unscales
+    through), so clipping costs one read of the gradients (the norm) instead of three (norm, then a read and
+    a write to scale). ``max(1, (norm + 1e-6) / max_norm)`` is ``clip_grad_norm_``'s factor
+    ``min(1, max_norm / (norm + 1e-6))`` inverted."""
+    if len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.AdamW) and optimizers[0].defaults.get("fused"):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        optimizers[0].grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+        return norm
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 # --------------------------------------------------------------------------- metrics and logs
 
 
@@ -345,7 +361,7 @@ class Trainer:
                                  compiled=compiled).to(device)  # fmt: skip
         self.model, self.loss_factor = self._parallelize(objective, dist_mode)
         self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
-                                           fused=self.cuda and dist_mode != "fsdp")  # fmt: skip
+                                           fused=not (self.d.active and dist_mode == "fsdp"))  # fmt: skip
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.meter = Meter(o.ttt_steps, device)
@@ -477,9 +493,7 @@ class Trainer:
                 (loss * self.loss_factor).backward()
                 timer.mark("backward")
             self.meter.add(loss, stats)
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.o.clip) if self.o.clip > 0 else None
-        if gnorm is not None and hasattr(gnorm, "full_tensor"):
-            gnorm = gnorm.full_tensor()
+        gnorm = clip_gradients(self.params, self.optimizers, self.o.clip) if self.o.clip > 0 else None
         f = lr_factor(self.global_step, total=self.total, warmup=self.warmup, schedule=self.o.schedule)
         for opt, lrs in zip(self.optimizers, self.base_lrs):
             for g, lr in zip(opt.param_groups, lrs):
@@ -706,6 +720,7 @@ def train(
     device: str | None = None,
     compile: bool | None = None,
     gradient_checkpointing: bool = False,
+    working_weights: bool | None = None,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
     norm_output: bool = False,
@@ -756,6 +771,9 @@ def train(
         compile: torch.compile the draft layer and the loss (default: on CUDA).
         gradient_checkpointing: recompute each TTT step's layer in backward: far less activation memory (long
             sequences, big drafts) for about a third more layer compute.
+        working_weights: compute with working copies of the weights cast once per optimizer step, and let the
+            weight-gradient matmuls accumulate fp32 gradients in place (default: on in a single process; DDP and
+            FSDP2 keep plain autocast, whose gradient hooks this would bypass).
         norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
         norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
         norm_output: layout flag: feed the normed output to the next step.
@@ -914,6 +932,14 @@ def _train(d, **a: Any) -> dict[str, Any]:
                           rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
                           rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
         del heads
+        working = a["working_weights"] if a["working_weights"] is not None else not d.active
+        if working and d.active:
+            raise EyasError("--working-weights needs a single process: under torchrun DDP's and FSDP2's gradient "
+                            "hooks would not see the gradients it accumulates; drop the flag")  # fmt: skip
+        if working:
+            from eyas.precision import use_working_weights
+
+            use_working_weights(draft, compute_dtype, skip=(draft.lm_head,))  # lm_head: the fused loss owns it
         compiled = a["compile"] if a["compile"] is not None else cuda
         if compiled:
             compile_draft(draft)

@@ -1,0 +1,105 @@
+"""Working weights and in-matmul gradient accumulation (eyas.precision) against plain autograd, and the clip
+folded into the fused AdamW against ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eyas.model import DraftConfig, Eagle3Draft
+from eyas.precision import WorkingLinear, use_working_weights
+from eyas.train import clip_gradients
+
+H = 32
+
+
+def _draft(**over) -> Eagle3Draft:
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      vocab_size=200, draft_vocab_size=80, aux_layer_ids=[1, 2, 3], **over)  # fmt: skip
+    return Eagle3Draft(cfg)
+
+
+def _micro_batches(n: int = 2, T: int = 24):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 200, (2, T), generator=g), torch.randn(2, T, 3 * H, generator=g, dtype=torch.float64))
+            for _ in range(n)]  # fmt: skip
+
+
+def _grads(model: Eagle3Draft, batches) -> dict[str, torch.Tensor]:
+    """Two micro-batches, each three TTT steps, gradients accumulated over both."""
+    model.zero_grad(set_to_none=True)
+    for i, (ids, aux) in enumerate(batches):
+        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), steps=3)
+        loss = sum((k + 1 + i) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_working_weights_train_like_autograd(checkpointing):
+    """float64: every gradient (TTT steps and micro-batches accumulated in place) equals plain autograd's."""
+    ref = _draft().double()
+    work = copy.deepcopy(ref)
+    assert use_working_weights(work, torch.float64, skip=(work.lm_head,)) == 8  # fc + q, k, v, o + gate, up, down
+    ref.gradient_checkpointing = work.gradient_checkpointing = checkpointing
+    batches = _micro_batches()
+    g_ref, g_work = _grads(ref, batches), _grads(work, batches)
+    assert g_ref.keys() == g_work.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_work[name], g_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+    assert set(ref.state_dict()) == set(work.state_dict())  # the checkpoint's keys are unchanged
+
+
+def test_working_copy_follows_the_master_weight():
+    """The working copy is recast when the master changes (an optimizer step, a loaded state) and not before."""
+    model = _draft()
+    use_working_weights(model, torch.bfloat16, skip=(model.lm_head,))
+    lin: WorkingLinear = model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 2 * H)
+    first = lin.working_weight()
+    assert lin.working_weight() is first  # no change, no recast
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16()), rtol=0, atol=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    lin(x).float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32
+    opt.step()
+    assert lin.working_weight() is not first
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16()), rtol=0, atol=0)
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    torch.testing.assert_close(lin.working_weight(), state["layers.0.self_attn.q_proj.weight"].bfloat16())
+
+
+def test_bf16_working_weights_accumulate_in_fp32():
+    """bf16 compute, fp32 master: the gradient of three uses is the fp32 sum of the three bf16 products."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8, bias=False)
+    use_working_weights(lin, torch.bfloat16)
+    xs = [torch.randn(5, 16) for _ in range(3)]
+    sum(lin(x).float().pow(2).sum() for x in xs).backward()
+    w = lin.weight.detach().bfloat16()
+    # each use: grad_out = 2y in bf16, its product with x in bf16 (CPU has no fp32-output bf16 matmul), summed in fp32
+    expected = sum(((2 * (x.bfloat16() @ w.t())).t() @ x.bfloat16()).float() for x in xs)
+    assert lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_clip_folded_into_fused_adamw_equals_clip_grad_norm():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(20, 10)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_a, opt_b = torch.optim.AdamW(a, lr=1e-2, fused=True), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for scale in (10.0, 0.01, 10.0):  # clipped, not clipped (the scale must fall back to 1), clipped
+        grads = [scale * torch.randn(20, 10) for _ in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        na = clip_gradients(a, [opt_a], 1.0)
+        nb = torch.nn.utils.clip_grad_norm_(b, 1.0)
+        opt_a.step()
+        opt_b.step()
+        torch.testing.assert_close(na, nb)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
