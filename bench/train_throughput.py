@@ -163,6 +163,58 @@ def _memory_probe(*, skip: int) -> dict:
     return found
 
 
+def _gpu_gaps(prof, steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
+    """From the profiler's trace: GPU busy time per step (all streams), and the idle gaps on the busiest
+    stream summed by the host operation that launched the kernel after each gap (innermost op and its two
+    parents): where the host, not the GPU, set the pace."""
+    import bisect
+    import collections
+    import os
+
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    os.unlink(path)
+    gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy, end = 0.0, -1.0
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        a, b = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    span = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) if gpu else 0.0
+    per_stream = collections.Counter()
+    for e in gpu:
+        per_stream[e.get("tid")] += e["dur"]
+    main = per_stream.most_common(1)[0][0] if per_stream else None
+    ks = sorted((e for e in gpu if e.get("tid") == main), key=lambda e: e["ts"])
+    launch = {e["args"]["correlation"]: e for e in ev if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    cpu = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+                 key=lambda e: e["ts"])  # fmt: skip
+    starts = [e["ts"] for e in cpu]
+    by_op: collections.Counter = collections.Counter()
+    total = 0.0
+    for prev, k in zip(ks, ks[1:]):
+        gap = k["ts"] - (prev["ts"] + prev["dur"])
+        if gap < min_us:
+            continue
+        total += gap
+        ln = launch.get(k.get("args", {}).get("correlation"))
+        chain = []
+        if ln is not None:
+            t, i = ln["ts"], bisect.bisect_right(starts, ln["ts"]) - 1
+            while i >= 0 and len(chain) < 3 and t - cpu[i]["ts"] < 5e6:
+                c = cpu[i]
+                if c["ts"] + c["dur"] >= t and c.get("tid") == ln.get("tid") and not c["name"].startswith("ProfilerStep"):
+                    chain.append(c["name"][:60])
+                i -= 1
+        by_op[" < ".join(chain) or "?"] += gap
+    return {"steps": steps, "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2),
+            "gpu_span_ms_per_step": round(span / 1e3 / steps, 2),
+            "idle_on_main_stream_ms_per_step": round(total / 1e3 / steps, 2),
+            "idle_by_launching_op_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in by_op.most_common(top)}}
+
+
 def _profiler(active: int, *, wait: int):
     """torch.profiler over ``active`` optimizer steps after ``wait + 2``, stepped by the trainer's own step
     (wrapped here, so eyas needs no profiling hooks); prints kernel and operator tables to stderr at the end."""
@@ -180,6 +232,9 @@ def _profiler(active: int, *, wait: int):
         print(ka.table(sort_by=dev, row_limit=45, max_name_column_width=70), file=sys.stderr)
         print("=== by cpu_time_total", file=sys.stderr)
         print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70), file=sys.stderr)
+        if torch.cuda.is_available():
+            print("=== where the GPU waits for the host", file=sys.stderr)
+            print(json.dumps(_gpu_gaps(p, active)), file=sys.stderr)
 
     prof = profile(activities=acts, schedule=schedule(wait=wait, warmup=2, active=active, repeat=1),
                    on_trace_ready=report)  # fmt: skip

@@ -189,7 +189,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm: normalise in fp32, scale in the input dtype (transformers ``LlamaRMSNorm``)."""
+    """Llama's RMSNorm: normalise in fp32, scale in the input dtype (transformers ``LlamaRMSNorm``, vLLM's
+    ``RMSNorm``). The weight is cast to the input's dtype first: an fp32 master weight under autocast would
+    otherwise promote the output, and every activation after it, to fp32 (a bf16 model computes exactly this)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -200,7 +202,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight.to(dtype) * x.to(dtype)
 
 
 # --------------------------------------------------------------------------- attention contexts
