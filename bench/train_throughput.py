@@ -188,7 +188,8 @@ def _gpu_gaps(prof, steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
         per_stream[e.get("tid")] += e["dur"]
     main = per_stream.most_common(1)[0][0] if per_stream else None
     ks = sorted((e for e in gpu if e.get("tid") == main), key=lambda e: e["ts"])
-    launch = {e["args"]["correlation"]: e for e in ev if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launch = {e["args"]["correlation"]: e for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     cpu = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
                  key=lambda e: e["ts"])  # fmt: skip
     starts = [e["ts"] for e in cpu]

@@ -1,22 +1,21 @@
 """Mixed precision for training the draft: working weights cast once per optimizer step, fp32 weight gradients
-accumulated by the weight-gradient matmul itself.
+straight from the weight-gradient matmul.
 
 Under ``torch.autocast`` each *use* of an fp32 weight casts it to bf16 (training-time test runs the layer
 three times, so three casts, and a compiled region casts again in its backward), and each use's weight
-gradient comes back as a bf16 matrix that is cast to fp32 and added to ``.grad``: per step about 4 ms of the
-35 ms step at Llama-3.1-8B draft dims on an H200 (BENCHMARKS.md, fourth session's profile). Here
+gradient comes back as a bf16 matrix that is then cast to fp32: about 3.7 ms of the 35 ms step at
+Llama-3.1-8B draft dims on an H200 (BENCHMARKS.md, fourth session's profile). Here
 
-- the bf16 working copy of a weight is made once, when the fp32 master changed (its version counter moved:
-  the optimizer step, a checkpoint load), and shared by every TTT step, forward and backward;
-- the weight gradient of every use is written straight into the fp32 ``.grad`` by one matmul,
-  ``grad += g^T x`` with an fp32 output (cuBLAS beta = 1), so no bf16-rounded partial gradient is formed
-  and nothing is cast or added afterwards (Megatron-LM's "gradient accumulation fusion", Narayanan et al.
-  2021, does the same into its ``main_grad``).
+- the bf16 working copy of a weight is refreshed in place, once, when the fp32 master changed (its version
+  counter moved: the optimizer step, a checkpoint load), and shared by every TTT step, forward and backward;
+- the weight gradient of each use is one matmul with an fp32 output (``torch.mm(..., out_dtype=)``), so no
+  bf16-rounded partial gradient is formed or cast (Megatron-LM keeps its wgrad in fp32 the same way,
+  Narayanan et al. 2021); autograd sums the uses into ``.grad`` as usual, so DDP's gradient hooks see them.
 
-The forward values and input gradients are those of autocast (the same bf16 weights and inputs); the weight
-gradients are at least as exact (fp32 across TTT steps and micro-batches, where autocast rounded each
-step's share to bf16). Because ``.grad`` is written outside autograd's ``AccumulateGrad``, DDP's and FSDP's
-gradient hooks would not see it: :func:`use_working_weights` is for a single process.
+Forward values and input gradients are autocast's (the same bf16 weights and inputs); weight gradients are
+at least as exact. The matmuls stay inside the compiled regions (the function is traceable); a compiled
+region cannot see the master weight change, so :func:`refresh_working_weights` runs before every forward
+(``eyas.train.TTTObjective`` calls it). FSDP2 casts its own gathered shards and does not use this.
 """
 
 from __future__ import annotations
@@ -37,28 +36,23 @@ def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += (a @ b).to(acc.dtype)
 
 
-def accumulate_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``param.grad += a @ b`` in the parameter's dtype (the first contribution allocates ``.grad``)."""
-    if param.grad is None:
-        if a.dtype == param.dtype:
-            param.grad = a @ b
-        elif a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
-            param.grad = torch.mm(a, b, out_dtype=param.dtype)
-        else:
-            param.grad = (a @ b).to(param.dtype)
-    else:
-        add_matmul(param.grad, a, b)
+def matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` returned in ``dtype``: for bf16 inputs on CUDA one cuBLAS call with an fp32 output."""
+    if a.dtype == dtype:
+        return a @ b
+    if a.is_cuda and hasattr(torch.ops.aten.mm, "dtype"):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
 
 
 class _WorkingLinear(torch.autograd.Function):
-    """``y = x W^T`` on the working copy of ``W``; backward returns the input gradient and adds the weight
-    gradient (fp32) to ``weight.grad`` itself, so autograd gets ``None`` for the weight."""
+    """``y = x W^T`` on the working copy of ``W``; the weight's gradient is formed in the master's dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, working: torch.Tensor) -> torch.Tensor:
         xw = x.to(working.dtype)
         ctx.save_for_backward(xw, working)
-        ctx.weight, ctx.x_dtype = weight, x.dtype
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return F.linear(xw, working)
 
     @staticmethod
@@ -66,35 +60,49 @@ class _WorkingLinear(torch.autograd.Function):
         xw, working = ctx.saved_tensors
         g = grad_out.to(working.dtype)
         grad_x = (g @ working).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            # [..., out]^T [..., in] -> [out, in], accumulated in fp32 over TTT steps and micro-batches
-            accumulate_grad(ctx.weight, g.reshape(-1, g.shape[-1]).t(), xw.reshape(-1, xw.shape[-1]))
-        return grad_x, None, None
+        # [..., out]^T [..., in] -> [out, in], in fp32 from the matmul itself
+        grad_w = matmul_to(g.reshape(-1, g.shape[-1]).t(), xw.reshape(-1, xw.shape[-1]), ctx.w_dtype) \
+            if ctx.needs_input_grad[1] else None  # fmt: skip
+        return grad_x, grad_w, None
 
 
 class WorkingLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters and state-dict keys) that computes with a working copy of its weight
-    in ``working_dtype``, recast only when the master weight has changed."""
+    in ``working_dtype``, refreshed by :meth:`refresh`."""
 
     working_dtype: torch.dtype
     _working: torch.Tensor | None
     _working_key: tuple | None
 
-    def working_weight(self) -> torch.Tensor:
+    def refresh(self) -> None:
+        """Bring the working copy up to date with the master weight (in place, so a compiled region that
+        holds it sees the new values); nothing to do when the master has not changed."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.device, self.working_dtype)
-        if self._working_key != key:
+        key = (w._version, w.data_ptr(), w.device)
+        if self._working_key == key:
+            return
+        if w.dtype == self.working_dtype:  # float32 on CPU: the master itself, no copy (one alias per storage)
+            if self._working is None or self._working.data_ptr() != w.data_ptr():
+                self._working = w.detach()
+        elif self._working is None or self._working.shape != w.shape or self._working.device != w.device:
             self._working = w.detach().to(self.working_dtype)
-            self._working_key = key
-        return self._working
+        else:
+            self._working.copy_(w.detach())
+        self._working_key = key
 
-    # A compiled region around this call breaks the graph here: its backward writes `.grad`, which a traced
-    # backward graph cannot, and the matmuls gain nothing from being traced.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             raise NotImplementedError("WorkingLinear has no bias path (the draft's linears have none)")
-        return _WorkingLinear.apply(x, self.weight, self.working_weight())
+        if not torch.compiler.is_compiling():  # eager calls check for themselves; compiled ones rely on the caller
+            self.refresh()
+        return _WorkingLinear.apply(x, self.weight, self._working)
+
+
+def refresh_working_weights(module: nn.Module) -> None:
+    """Refresh every :class:`WorkingLinear` under ``module``: call before each forward that may be compiled."""
+    for m in module.modules():
+        if isinstance(m, WorkingLinear):
+            m.refresh()
 
 
 def use_working_weights(module: nn.Module, dtype: torch.dtype, *, skip: tuple[nn.Module, ...] = ()) -> int:
@@ -106,5 +114,6 @@ def use_working_weights(module: nn.Module, dtype: torch.dtype, *, skip: tuple[nn
         if type(m) is nn.Linear and m.bias is None and not any(m is s for s in skip):
             m.__class__ = WorkingLinear
             m.working_dtype, m._working, m._working_key = dtype, None, None
+            m.refresh()
             n += 1
     return n

@@ -35,6 +35,7 @@ from torch import nn
 from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
 from eyas.errors import EyasError
 from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
+from eyas.precision import refresh_working_weights
 
 STAGE = "train"
 CHECKPOINTS = "checkpoints"
@@ -60,6 +61,7 @@ class TTTObjective(nn.Module):
 
     def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
                 denom):  # fmt: skip
+        refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
         normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids)
         valid = step_masks(loss_mask, doc_ids, self.steps).flatten(1)  # [S, B*T]
         scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
@@ -771,9 +773,9 @@ def train(
         compile: torch.compile the draft layer and the loss (default: on CUDA).
         gradient_checkpointing: recompute each TTT step's layer in backward: far less activation memory (long
             sequences, big drafts) for about a third more layer compute.
-        working_weights: compute with working copies of the weights cast once per optimizer step, and let the
-            weight-gradient matmuls accumulate fp32 gradients in place (default: on in a single process; DDP and
-            FSDP2 keep plain autocast, whose gradient hooks this would bypass).
+        working_weights: compute with working copies of the weights cast once per optimizer step, the weight
+            gradients coming out of their matmuls in fp32 (default: on, except under --dist fsdp, which casts
+            its gathered shards itself).
         norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
         norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
         norm_output: layout flag: feed the normed output to the next step.
@@ -932,10 +934,11 @@ def _train(d, **a: Any) -> dict[str, Any]:
                           rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
                           rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
         del heads
-        working = a["working_weights"] if a["working_weights"] is not None else not d.active
-        if working and d.active:
-            raise EyasError("--working-weights needs a single process: under torchrun DDP's and FSDP2's gradient "
-                            "hooks would not see the gradients it accumulates; drop the flag")  # fmt: skip
+        fsdp = d.active and a["dist"] == "fsdp"
+        working = a["working_weights"] if a["working_weights"] is not None else not fsdp
+        if working and fsdp:
+            raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
+                            "itself); drop the flag")  # fmt: skip
         if working:
             from eyas.precision import use_working_weights
 
