@@ -387,7 +387,8 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, position_ids, context) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> q [B, h, T, d] and k, v [B, kv, T, d], RoPE applied."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         B, T, _ = x.shape
@@ -395,8 +396,16 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = context.attend(q, k, v, self.scale, position_ids)  # [B, h, T, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, h, T, d] -> [B, T, H]."""
+        B, _, T, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def forward(self, x, cos, sin, position_ids, context) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.output(context.attend(q, k, v, self.scale, position_ids))
 
 
 class Eagle3MLP(nn.Module):
@@ -427,12 +436,22 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = Eagle3MLP(cfg)
 
-    def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
+    # The layer in two halves around attention, each a function of tensors only, so training can compile each
+    # as one region (eyas.train.compile_draft) while the context's attention runs between them.
+    def pre_attention(self, embeds, hidden, cos, sin):
+        """-> q, k, v (RoPE applied) and the residual."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
-        h = residual + self.self_attn(x, cos, sin, position_ids, context)
+        return *self.self_attn.qkv(x, cos, sin), residual
+
+    def post_attention(self, attn, residual) -> torch.Tensor:
+        h = residual + self.self_attn.output(attn)
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output: vLLM's hidden_prenorm
+
+    def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
+        q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
+        return self.post_attention(context.attend(q, k, v, self.self_attn.scale, position_ids), residual)
 
 
 class Eagle3Draft(nn.Module):
