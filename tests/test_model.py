@@ -130,6 +130,31 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl):
         torch.testing.assert_close(g, results[False][1][name], rtol=1e-12, atol=1e-14, msg=name)
 
 
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_ttt_reads_embeddings_looked_up_elsewhere(ckpt):
+    """inputs_embeds (the rows of the ids and of `steps` pad ids, as training's loader gathers them from host
+    memory) give exactly the outputs and gradients of looking the ids up in the model; a wrong length is refused."""
+    torch.manual_seed(3)
+    T, steps = 16, 3
+    ids = torch.randint(0, V, (2, T))
+    aux = torch.randn(2, T, 3 * H, dtype=torch.float64)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 12 + [-1] * 4])
+    results = []
+    for looked_up in (False, True):
+        model = _draft(seed=4).train()
+        model.gradient_checkpointing = ckpt
+        embeds = model.embed_tokens.weight.detach()[torch.nn.functional.pad(ids, (0, steps))] if looked_up else None
+        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids, inputs_embeds=embeds)
+        sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        _draft().ttt(ids, aux, steps=steps, inputs_embeds=torch.zeros(2, T, H, dtype=torch.float64))
+
+
 def test_context_builds_its_own_mask():
     """The SDPA context only ever builds dense boolean masks; flex is reserved to its own path."""
     ctx = TTTContext(torch.zeros(1, 5, dtype=torch.long), "sdpa")

@@ -141,6 +141,36 @@ def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, t
     assert torch.equal(written["lm_head.weight"], rows.to(written["lm_head.weight"].dtype))
 
 
+def test_loader_embeddings_train_the_same_weights(inputs, tmp_path, monkeypatch):
+    """The frozen embedding looked up by the data loader in host memory (the default on CUDA) trains exactly the
+    weights of the draft looking it up itself."""
+    from eyas.model import Eagle3Draft
+
+    seen, ttt = [], Eagle3Draft.ttt
+
+    def spy(self, *args, inputs_embeds=None, **kwargs):  # records which path each forward took
+        seen.append(inputs_embeds is not None)
+        return ttt(self, *args, inputs_embeds=inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(Eagle3Draft, "ttt", spy)
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=4,
+              val_ratio=0.1, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "device"), loader_embeddings=False, **kw)
+    assert seen and not any(seen)
+    seen.clear()
+    train(out=str(tmp_path / "loader"), loader_embeddings=True, **kw)
+    assert seen and all(seen)
+    a, b = _final_state(tmp_path / "device"), _final_state(tmp_path / "loader")
+    assert a.keys() == b.keys() and "draft.fc.weight" in a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    va, vb = _records(tmp_path / "device", "val"), _records(tmp_path / "loader", "val")
+    assert va and [r["loss"] for r in va] == [r["loss"] for r in vb]
+    with pytest.raises(EyasError, match="loader-embeddings"):
+        train(out=str(tmp_path / "online"), loader_embeddings=True, online=True,
+              **dict(kw, data=inputs["prepared"]))  # fmt: skip
+
+
 def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     from eyas.checkpoint import load_draft, read_draft_config
 

@@ -224,9 +224,13 @@ class StepData(torch.utils.data.Dataset):
     """Item ``j``: this rank's micro-batches of step ``j`` as padded tensors (built in DataLoader workers)."""
 
     def __init__(self, source, steps: list[Step], *, rank: int, grad_accum: int, max_len: int, seqs: int,
-                 lengths: np.ndarray) -> None:  # fmt: skip
+                 lengths: np.ndarray, embed: torch.Tensor | None = None, ttt_steps: int = 0) -> None:  # fmt: skip
+        """``embed`` (the frozen ``[vocab, H]`` table, in host memory): each micro-batch also carries
+        ``inputs_embeds [B, max_len + ttt_steps, H]``, the rows of its ids followed by ``ttt_steps`` of id 0
+        (what :meth:`eyas.model.Eagle3Draft.ttt` reads), so the table never has to be on the device."""
         self.source, self.steps, self.rank, self.G = source, steps, rank, grad_accum
         self.S, self.B, self.lengths = max_len, seqs, lengths
+        self.embed, self.ttt_steps = embed, ttt_steps
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -256,6 +260,9 @@ class StepData(torch.utils.data.Dataset):
                 rows.append((b, off, r, L))
                 off += L
         out = {"input_ids": ids, "loss_mask": mask, "doc_ids": doc, "position_ids": pos}
+        if self.embed is not None:
+            padded = torch.nn.functional.pad(ids, (0, self.ttt_steps))  # [B, S + steps], id 0 past the end
+            out["inputs_embeds"] = self.embed[padded]  # [B, S + steps, H]
         if not self.source.online:
             H = self.source.hidden_size
             dtype = self.source.reader.dtype

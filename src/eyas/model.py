@@ -506,18 +506,21 @@ class Eagle3Draft(nn.Module):
             aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, context):
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, context,
+             inputs_embeds: torch.Tensor | None = None):  # fmt: skip
         """One draft forward: the same function in training-time test and in inference.
 
         ``input_ids [B, T]`` are the tokens *after* the positions whose states
         ``hidden [B, T, H]`` carry (fused verifier states, or the draft's own
-        pre-norm output of the previous step); ``position_ids [B, T]``.
+        pre-norm output of the previous step); ``position_ids [B, T]``;
+        ``inputs_embeds [B, T, H]``, when given, their embeddings (looked up
+        elsewhere, e.g. in host memory by training's data loader).
         Returns ``(normed, next_hidden)``, both ``[B, T, H]``: logits come from
         :meth:`compute_logits` on ``normed``, and ``next_hidden`` is the state
         the next step consumes: the pre-norm output (vLLM's ``hidden_prenorm``),
         or ``normed`` with ``norm_output``.
         """
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        embeds = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
         normed = self.norm(prenorm)
@@ -528,7 +531,8 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(normed)
 
     def ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int,
-            doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+            doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+            inputs_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Training-time test over whole sequences: the normed output ``[B, T, H]`` of each step.
 
         ``input_ids [B, T]`` are the verifier's tokens ``x_0..x_{T-1}`` and
@@ -537,8 +541,14 @@ class Eagle3Draft(nn.Module):
         and, for ``k > 0``, the step ``k-1`` pre-norm output at ``t``; it
         predicts ``x_{t+2+k}`` (whose target is the verifier's distribution at
         ``t+1+k``). Tokens past the end read id 0; the caller masks their loss.
+        ``inputs_embeds [B, T + steps, H]``, when given, are the embeddings of
+        ``input_ids`` followed by ``steps`` tokens of id 0 (so each step reads
+        a slice of them instead of looking its tokens up).
         """
         B, T = input_ids.shape
+        if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != (B, T + steps):
+            raise ValueError(f"inputs_embeds must be [B, T + steps, H] = [{B}, {T + steps}, H], "
+                             f"got {list(inputs_embeds.shape)}")  # fmt: skip
         if doc_ids is None:
             doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
@@ -548,17 +558,18 @@ class Eagle3Draft(nn.Module):
         outputs = []
         for k in range(steps):
             ids = F.pad(input_ids[:, 1 + k :], (0, 1 + k))  # [B, T]: x_{t+1+k}
+            embeds = None if inputs_embeds is None else inputs_embeds[:, 1 + k : 1 + k + T]  # [B, T, H]
 
-            def run(ids, hidden, positions, k=k):
+            def run(ids, hidden, positions, embeds, k=k):
                 context.begin(k)
-                return self.step(ids, hidden, positions, context)
+                return self.step(ids, hidden, positions, context, inputs_embeds=embeds)
 
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
-                normed, hidden = checkpoint(run, ids, hidden, position_ids + k, use_reentrant=False)
+                normed, hidden = checkpoint(run, ids, hidden, position_ids + k, embeds, use_reentrant=False)
             else:
-                normed, hidden = run(ids, hidden, position_ids + k)
+                normed, hidden = run(ids, hidden, position_ids + k, embeds)
             outputs.append(normed)
         return outputs
 

@@ -35,7 +35,7 @@ from torch import nn
 from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
 from eyas.errors import EyasError
 from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
-from eyas.precision import refresh_working_weights
+from eyas.precision import refresh_working_weights, use_working_weights
 
 STAGE = "train"
 CHECKPOINTS = "checkpoints"
@@ -60,9 +60,10 @@ class TTTObjective(nn.Module):
         self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
 
     def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
-                denom):  # fmt: skip
+                denom, inputs_embeds=None):  # fmt: skip
         refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
-        normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids)
+        normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids,
+                                inputs_embeds=inputs_embeds)  # fmt: skip
         valid = step_masks(loss_mask, doc_ids, self.steps).flatten(1)  # [S, B*T]
         scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
         targets = Targets(target_logits, target_argmax, in_vocab)
@@ -343,10 +344,11 @@ class Trainer:
     def __init__(self, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
                  layer_ids: list[int], o: Options, out: Path, rows_train: np.ndarray, rows_val: np.ndarray,
                  lengths: np.ndarray, counts: np.ndarray, dist_mode: str, compiled: bool, fingerprint: str,
-                 save_meta: dict[str, Any]) -> None:  # fmt: skip
+                 save_meta: dict[str, Any], loader_embed: torch.Tensor | None = None) -> None:  # fmt: skip
         self.d, self.device, self.cfg, self.o, self.out = d, device, cfg, o, out
         self.head, self.source, self.verifier, self.layer_ids = head, source, verifier_model, layer_ids
         self.lengths, self.fingerprint, self.save_meta = lengths, fingerprint, save_meta
+        self.loader_embed = loader_embed  # the frozen embedding in host memory, looked up by the loader
         self.cuda = device.type == "cuda"
         self.compute_dtype = torch.bfloat16 if self.cuda else torch.float32
         W, G = d.world_size, o.grad_accum
@@ -389,6 +391,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [self.device.index] if self.cuda else None
+            # frozen and the same on every rank (the verifier's): neither broadcast at start nor reduced; it may
+            # also live in host memory (--loader-embeddings), which DDP's one-device check would refuse
+            DDP._set_params_and_buffers_to_ignore_for_model(objective, ["draft.embed_tokens.weight"])
             return DDP(objective, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True), float(
                 self.d.world_size
             )
@@ -421,7 +426,8 @@ class Trainer:
 
     def _loader(self, steps: list[Step], grad_accum: int):
         ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.o.max_seq_len,
-                      seqs=self.o.seqs_per_micro_batch, lengths=self.lengths)  # fmt: skip
+                      seqs=self.o.seqs_per_micro_batch, lengths=self.lengths, embed=self.loader_embed,
+                      ttt_steps=self.o.ttt_steps)  # fmt: skip
         w = self.o.num_workers
         return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=w, pin_memory=self.cuda,
                                            prefetch_factor=4 if w else None, worker_init_fn=_worker_init if w else None)  # fmt: skip
@@ -449,7 +455,8 @@ class Trainer:
         targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps)
         with self.autocast:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
-                              targets.logits, targets.argmax, targets.in_vocab, denom)  # fmt: skip
+                              targets.logits, targets.argmax, targets.in_vocab, denom,
+                              inputs_embeds=mb.get("inputs_embeds"))  # fmt: skip
 
     def _to_device(self, item: dict[str, Any]) -> dict[str, Any]:
         """A loader item with its tensors (``denom`` and every micro-batch's) moved to the device."""
@@ -725,6 +732,7 @@ def train(
     compile: bool | None = None,
     gradient_checkpointing: bool = False,
     working_weights: bool | None = None,
+    loader_embeddings: bool | None = None,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
     norm_output: bool = False,
@@ -778,6 +786,9 @@ def train(
         working_weights: compute with working copies of the weights cast once per optimizer step, the weight
             gradients coming out of their matmuls in fp32 (default: on, except under --dist fsdp, which casts
             its gathered shards itself).
+        loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
+            up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
+            Kimi-K2.5's; default: on for offline training on CUDA without --dist fsdp).
         norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
         norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
         norm_output: layout flag: feed the normed output to the next step.
@@ -921,8 +932,21 @@ def _train(d, **a: Any) -> dict[str, Any]:
         draft.set_vocab(d2t=d2t, t2d=t2d)
         draft.lm_head.weight.requires_grad_(not a["freeze_lm_head"])
         draft.gradient_checkpointing = a["gradient_checkpointing"]
-        draft.to(where)
-        draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
+        fsdp = d.active and a["dist"] == "fsdp"
+        on_host = a["loader_embeddings"] if a["loader_embeddings"] is not None else cuda and not a["online"] and not fsdp
+        if on_host and (a["online"] or fsdp):
+            raise EyasError("--loader-embeddings needs offline features and no --dist fsdp (online, the verifier's "
+                            "own embedding runs on the device anyway); drop the flag")  # fmt: skip
+        if on_host:  # every module but the frozen embedding goes to the device; the loader looks rows up
+            draft.embed_tokens.to(compute_dtype)
+            for name, child in draft.named_children():
+                if name != "embed_tokens":
+                    child.to(where)
+            for name, buf in list(draft.named_buffers(recurse=False)):
+                setattr(draft, name, buf.to(where))
+        else:
+            draft.to(where)
+            draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
         if a["freeze_lm_head"] and not (d.active and a["dist"] == "fsdp"):  # (an FSDP2 unit wants one dtype)
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
@@ -936,14 +960,11 @@ def _train(d, **a: Any) -> dict[str, Any]:
                           rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
                           rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
         del heads
-        fsdp = d.active and a["dist"] == "fsdp"
         working = a["working_weights"] if a["working_weights"] is not None else not fsdp
         if working and fsdp:
             raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
                             "itself); drop the flag")  # fmt: skip
         if working:
-            from eyas.precision import use_working_weights
-
             use_working_weights(draft, compute_dtype, skip=(draft.lm_head,))  # lm_head: the fused loss owns it
         compiled = a["compile"] if a["compile"] is not None else cuda
         if compiled:
@@ -967,7 +988,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
         trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
                           verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
                           rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,
-                          fingerprint=run_id, save_meta=save_meta)  # fmt: skip
+                          fingerprint=run_id, save_meta=save_meta,
+                          loader_embed=draft.embed_tokens.weight.detach() if on_host else None)  # fmt: skip
         if d.is_main:
             trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
             print(f"eyas train: {len(rows_train)} rows ({int(lengths[rows_train].sum()):,} tokens) for training, "
