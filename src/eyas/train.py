@@ -788,7 +788,7 @@ def train(
             its gathered shards itself).
         loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
             up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
-            Kimi-K2.5's; default: on for offline training on CUDA without --dist fsdp).
+            Kimi-K2.5's; default: on for offline training on CUDA with loader workers and without --dist fsdp).
         norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
         norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
         norm_output: layout flag: feed the normed output to the next step.
@@ -933,7 +933,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
         draft.lm_head.weight.requires_grad_(not a["freeze_lm_head"])
         draft.gradient_checkpointing = a["gradient_checkpointing"]
         fsdp = d.active and a["dist"] == "fsdp"
-        on_host = a["loader_embeddings"] if a["loader_embeddings"] is not None else cuda and not a["online"] and not fsdp
+        # by default only with loader workers: the main process, which launches the GPU's work, gathers nothing
+        on_host = a["loader_embeddings"] if a["loader_embeddings"] is not None else \
+            cuda and not a["online"] and not fsdp and a["num_workers"] > 0  # fmt: skip
         if on_host and (a["online"] or fsdp):
             raise EyasError("--loader-embeddings needs offline features and no --dist fsdp (online, the verifier's "
                             "own embedding runs on the device anyway); drop the flag")  # fmt: skip
