@@ -43,7 +43,8 @@ def test_working_weights_train_like_autograd(checkpointing):
     """float64: every gradient (summed over TTT steps and micro-batches) equals plain autograd's."""
     ref = _draft().double()
     work = copy.deepcopy(ref)
-    assert use_working_weights(work, torch.float64, skip=(work.lm_head,)) == 8  # fc + q, k, v, o + gate, up, down
+    # fc + q, k, v, o + gate, up, down; fc (used once per forward) casts per call and keeps no copy
+    assert use_working_weights(work, torch.float64, skip=(work.lm_head,), cast_per_call=(work.fc,)) == 8
     ref.gradient_checkpointing = work.gradient_checkpointing = checkpointing
     batches = _micro_batches()
     g_ref, g_work = _grads(ref, batches), _grads(work, batches)
@@ -51,6 +52,7 @@ def test_working_weights_train_like_autograd(checkpointing):
     for name in g_ref:
         torch.testing.assert_close(g_work[name], g_ref[name], rtol=1e-12, atol=1e-12, msg=name)
     assert set(ref.state_dict()) == set(work.state_dict())  # the checkpoint's keys are unchanged
+    assert work.fc._working is None and work.layers[0].mlp.up_proj._working is not None
 
 
 def test_working_copy_follows_the_master_weight():

@@ -51,14 +51,15 @@ class _WorkingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, working: torch.Tensor) -> torch.Tensor:
         xw = x.to(working.dtype)
-        ctx.save_for_backward(xw, working)
+        # the weight only serves the input's gradient: fc's input (the verifier's states) needs none
+        ctx.save_for_backward(xw, working if ctx.needs_input_grad[0] else None)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return F.linear(xw, working)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         xw, working = ctx.saved_tensors
-        g = grad_out.to(working.dtype)
+        g = grad_out.to(xw.dtype)  # the working dtype
         grad_x = (g @ working).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         # [..., out]^T [..., in] -> [out, in], in fp32 from the matmul itself
         grad_w = matmul_to(g.reshape(-1, g.shape[-1]).t(), xw.reshape(-1, xw.shape[-1]), ctx.w_dtype) \
@@ -68,15 +69,19 @@ class _WorkingLinear(torch.autograd.Function):
 
 class WorkingLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters and state-dict keys) that computes with a working copy of its weight
-    in ``working_dtype``, refreshed by :meth:`refresh`."""
+    in ``working_dtype``, refreshed by :meth:`refresh`; with ``keep_working`` false (a weight used once per
+    forward, like ``fc``) the copy is cast at each call instead and never outlives it."""
 
     working_dtype: torch.dtype
+    keep_working: bool
     _working: torch.Tensor | None
     _working_key: tuple | None
 
     def refresh(self) -> None:
         """Bring the working copy up to date with the master weight (in place, so a compiled region that
         holds it sees the new values); nothing to do when the master has not changed."""
+        if not self.keep_working:
+            return
         w = self.weight
         key = (w._version, w.data_ptr(), w.device)
         if self._working_key == key:
@@ -93,6 +98,8 @@ class WorkingLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             raise NotImplementedError("WorkingLinear has no bias path (the draft's linears have none)")
+        if not self.keep_working:
+            return _WorkingLinear.apply(x, self.weight, self.weight.detach().to(self.working_dtype))
         if not torch.compiler.is_compiling():  # eager calls check for themselves; compiled ones rely on the caller
             self.refresh()
         return _WorkingLinear.apply(x, self.weight, self._working)
@@ -105,15 +112,18 @@ def refresh_working_weights(module: nn.Module) -> None:
             m.refresh()
 
 
-def use_working_weights(module: nn.Module, dtype: torch.dtype, *, skip: tuple[nn.Module, ...] = ()) -> int:
+def use_working_weights(module: nn.Module, dtype: torch.dtype, *, skip: tuple[nn.Module, ...] = (),
+                        cast_per_call: tuple[nn.Module, ...] = ()) -> int:  # fmt: skip
     """Turn every bias-free ``nn.Linear`` under ``module`` (except ``skip``) into a :class:`WorkingLinear`
     computing in ``dtype``, in place (parameters and state-dict keys unchanged, as FSDP2's ``fully_shard``
-    swaps a module's class). Returns how many were converted."""
+    swaps a module's class). Those in ``cast_per_call`` keep no copy between calls. Returns how many were
+    converted."""
     n = 0
     for m in module.modules():
         if type(m) is nn.Linear and m.bias is None and not any(m is s for s in skip):
             m.__class__ = WorkingLinear
             m.working_dtype, m._working, m._working_key = dtype, None, None
+            m.keep_working = not any(m is c for c in cast_per_call)
             m.refresh()
             n += 1
     return n
