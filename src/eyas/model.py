@@ -403,10 +403,6 @@ class Eagle3Attention(nn.Module):
         B, _, T, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def forward(self, x, cos, sin, position_ids, context) -> torch.Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        return self.output(context.attend(q, k, v, self.scale, position_ids))
-
 
 class Eagle3MLP(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
@@ -557,8 +553,10 @@ class Eagle3Draft(nn.Module):
         hidden = self.fuse(aux_hidden)
         outputs = []
         for k in range(steps):
-            ids = F.pad(input_ids[:, 1 + k :], (0, 1 + k))  # [B, T]: x_{t+1+k}
-            embeds = None if inputs_embeds is None else inputs_embeds[:, 1 + k : 1 + k + T]  # [B, T, H]
+            if inputs_embeds is None:
+                ids, embeds = F.pad(input_ids[:, 1 + k :], (0, 1 + k)), None  # [B, T]: x_{t+1+k}
+            else:  # the rows of x_{t+1+k}, already looked up: no ids needed
+                ids, embeds = None, inputs_embeds[:, 1 + k : 1 + k + T]  # [B, T, H]
 
             def run(ids, hidden, positions, embeds, k=k):
                 context.begin(k)

@@ -940,7 +940,6 @@ def _train(d, **a: Any) -> dict[str, Any]:
             raise EyasError("--loader-embeddings needs offline features and no --dist fsdp (online, the verifier's "
                             "own embedding runs on the device anyway); drop the flag")  # fmt: skip
         if on_host:  # every module but the frozen embedding goes to the device; the loader looks rows up
-            draft.embed_tokens.to(compute_dtype)
             for name, child in draft.named_children():
                 if name != "embed_tokens":
                     child.to(where)
@@ -948,7 +947,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
                 setattr(draft, name, buf.to(where))
         else:
             draft.to(where)
-            draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
+        draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
         if a["freeze_lm_head"] and not (d.active and a["dist"] == "fsdp"):  # (an FSDP2 unit wants one dtype)
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
