@@ -19,7 +19,9 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _env(**extra: str) -> dict[str, str]:
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT in native code, seen once in CI) prints every thread's stack
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}  # fmt: skip
 
 
@@ -47,7 +49,7 @@ def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
            "-m", "eyas.cli", "extract", "--verifier", str(t.path), "--data", str(prep), "--out", str(tmp_path / "two"),
            "--dtype", "fp32", "--shard-tokens", "20", "--batch-tokens", "32", "--device", "cpu"]  # fmt: skip
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     # more shards than a window holds: both ranks extract (windows are dealt out whole)
     assert two["outputs"]["shards"] == one["outputs"]["shards"] and len(one["outputs"]["shards"]) > WINDOW_SHARDS

@@ -64,9 +64,9 @@ def test_two_ranks_equal_one_process(features, one_process, tmp_path, mode):
            *flags]  # fmt: skip
     if mode == "ddp":  # the embedding looked up by the loader: DDP must leave the frozen table out of its checks
         cmd.append("--loader-embeddings")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]
     ref, got = _log(one_process), _log(out)
     assert [r["step"] for r in ref] == [r["step"] for r in got]
     for a, b in zip(ref, got):

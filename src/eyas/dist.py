@@ -129,12 +129,19 @@ class Dist:
             raise EyasError(result[1])
         return result[1]
 
-    def close(self) -> None:
-        """Tear the process group down (safe to call twice, and on the null object)."""
+    def close(self, *, sync: bool = True) -> None:
+        """Tear the process group down (safe to call twice, and on the null object).
+
+        ``sync``: first wait for every rank to get here, so no rank closes its connections while a peer is still
+        in a collective with it (a rank that tore gloo down early made its peer abort at exit, once in CI). Pass
+        ``sync=False`` on an error path, where a peer may be dead and the barrier would only wait out the
+        timeout."""
         if self.active:
             import torch.distributed as td
 
             if td.is_initialized():
+                if sync:
+                    self.barrier("end of the run")
                 td.destroy_process_group()
 
 

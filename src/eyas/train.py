@@ -806,9 +806,12 @@ def train(
     d = _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu")
     args = {k: v for k, v in locals().items() if k not in ("_dist", "kind", "d")}
     try:
-        return _train(d, **args)
-    finally:
-        d.close()
+        result = _train(d, **args)
+    except BaseException:
+        d.close(sync=False)  # a peer may be dead: no barrier that would only wait out the timeout
+        raise
+    d.close()
+    return result
 
 
 def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
