@@ -218,6 +218,44 @@ def _gpu_gaps(prof, steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
             "idle_by_launching_op_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in by_op.most_common(top)}}
 
 
+def _host_ops(prof, steps: int, *, top: int = 30) -> dict:
+    """From the profiler's trace: the operators the host dispatches itself per step, i.e. ATen ops not called
+    from inside another ATen op or a compiled graph (on CUDA each is one or more kernel launches, and the
+    step is host-bound), counted by name, and the compiled-graph calls; with the host's time per step. Runs on
+    any device, so host work can be cut and counted on a CPU machine."""
+    import collections
+    import os
+
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    os.unlink(path)
+    ops = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+                 key=lambda e: (e["ts"], -e["dur"]))  # fmt: skip
+    # inside these the host does not dispatch on its own (a loader without workers runs in this process: its
+    # ops are the loader's, which runs in worker processes in a real run)
+    outer = ("aten::", "prims::", "## Call CompiledFxGraph", "enumerate(DataLoader)")
+    eager, graphs = collections.Counter(), 0
+    stacks: dict = collections.defaultdict(list)  # per thread: the enclosing events
+    for e in ops:
+        st = stacks[e.get("tid")]
+        while st and st[-1]["ts"] + st[-1]["dur"] <= e["ts"]:
+            st.pop()
+        name = e["name"]
+        if not any(x["name"].startswith(outer) for x in st):
+            if name.startswith("## Call CompiledFxGraph"):
+                graphs += 1
+            elif name.startswith("aten::"):
+                eager[name] += 1
+        st.append(e)
+    host = [e["dur"] for e in ev if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep")]
+    return {"steps": steps, "host_ms_per_step": round(sum(host) / 1e3 / max(len(host), 1), 2),
+            "eager_ops_per_step": round(sum(eager.values()) / steps, 1),
+            "compiled_graph_calls_per_step": round(graphs / steps, 1),
+            "eager_ops_by_name_per_step": {k: round(v / steps, 1) for k, v in eager.most_common(top)}}
+
+
 def _profiler(active: int, *, wait: int):
     """torch.profiler over ``active`` optimizer steps after ``wait + 2``, stepped by the trainer's own step
     (wrapped here, so eyas needs no profiling hooks); prints kernel and operator tables to stderr at the end."""
@@ -238,6 +276,8 @@ def _profiler(active: int, *, wait: int):
         if torch.cuda.is_available():
             print("=== where the GPU waits for the host", file=sys.stderr)
             print(json.dumps(_gpu_gaps(p, active)), file=sys.stderr)
+        print("=== what the host dispatches", file=sys.stderr)
+        print(json.dumps(_host_ops(p, active)), file=sys.stderr)
 
     prof = profile(activities=acts, schedule=schedule(wait=wait, warmup=2, active=active, repeat=1),
                    on_trace_ready=report)  # fmt: skip

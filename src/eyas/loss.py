@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eyas.precision import add_matmul
@@ -128,6 +129,7 @@ class _FusedTTTLoss(torch.autograd.Function):
         need_w = grad and ctx.needs_input_grad[0]
         need_h = grad and any(ctx.needs_input_grad[7:])
         W = lm_head_weight.to(compute_dtype)  # [N, H]
+        Wt = W.t()  # [H, N]
         acc = torch.promote_types(compute_dtype, torch.float32)
         fn = _chunk_fn(compiled)
         grad_w = torch.zeros(W.shape, dtype=acc, device=W.device) if need_w else None
@@ -141,9 +143,9 @@ class _FusedTTTLoss(torch.autograd.Function):
                 b = min(a + chunk, M)
                 hc = h[a:b].to(compute_dtype)  # [C, H]
                 # step k at index t is scored against the verifier's distribution at index t+1+k
-                g, kl[a:b], am[a:b] = fn(hc @ W.t(), target_logits[a + 1 + k : b + 1 + k], weights[k, a:b])
+                g, kl[a:b], am[a:b] = fn(hc @ Wt, target_logits[a + 1 + k : b + 1 + k], weights[k, a:b])
                 if gh is not None:
-                    gh[a:b] = g @ W  # [C, H]
+                    torch.mm(g, W, out=gh[a:b])  # [C, H], written in place (rows of a contiguous buffer)
                 if grad_w is not None:
                     add_matmul(grad_w, g.t(), hc)  # [N, H]
             grads_h.append(gh)
@@ -169,16 +171,17 @@ class _FusedTTTLoss(torch.autograd.Function):
 def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """``valid[k, b, t]``: step ``k`` at index ``t`` is scored (``loss_mask[t+2+k]`` and the same document).
 
-    loss_mask, doc_ids [B, T] -> [steps, B, T] bool.
+    loss_mask, doc_ids [B, T] -> [steps, B, T] bool. All steps at once from shifted views (a handful of
+    operations whatever ``steps`` is: the training step is bound by how many the host dispatches).
     """
-    B, T = loss_mask.shape
-    out = torch.zeros(steps, B, T, dtype=torch.bool, device=loss_mask.device)
-    for k in range(steps):
-        s = 2 + k
-        if s >= T:
-            break
-        out[k, :, : T - s] = loss_mask[:, s:] & (doc_ids[:, s:] == doc_ids[:, :-s]) & (doc_ids[:, :-s] >= 0)
-    return out
+    T = loss_mask.shape[1]
+    # right-padded so that every shift t + 2 + k exists; a padded index is never scored (mask 0, document -1)
+    mask = F.pad(loss_mask, (0, steps + 1))  # [B, T + steps + 1]
+    docs = F.pad(doc_ids, (0, steps + 1), value=-1)
+    # unfold: [B, T + steps + 1] -> [B, steps + 2, T], window j = indices j .. j + T - 1; j = 2 + k for step k
+    ahead_mask, ahead_doc = mask.unfold(1, T, 1)[:, 2:], docs.unfold(1, T, 1)[:, 2:]  # [B, steps, T]
+    here = doc_ids[:, None]  # [B, 1, T]
+    return (ahead_mask & (ahead_doc == here) & (here >= 0)).transpose(0, 1)  # [steps, B, T]
 
 
 def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targets: Targets, valid: torch.Tensor,
@@ -195,23 +198,21 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
 
     Returns ``(loss, stats [S, 6])``, the columns in :data:`STAT_COLUMNS` (sums).
     """
-    S = len(normed)
-    in_vocab = torch.stack([targets.in_vocab[1 + k : 1 + k + valid.shape[1]] for k in range(S)])  # [S, M]
-    tgt = torch.stack([targets.argmax[1 + k : 1 + k + valid.shape[1]] for k in range(S)])  # [S, M]
+    S, M = len(normed), valid.shape[1]
+    # target of step k at index t: the verifier at t + 1 + k; unfold gives every step's slice as one view
+    in_vocab = targets.in_vocab.unfold(0, M, 1)[1 : 1 + S]  # [M + pad] -> [S, M]
+    tgt = targets.argmax.unfold(0, M, 1)[1 : 1 + S]  # [S, M]
     kept = valid & in_vocab if drop_out_of_vocab else valid
     weights = kept.float() * scale[:, None]  # [S, M]
     # the gradient is formed in forward only when a backward can follow (not under no_grad, as in validation)
     loss, kl, draft_argmax = _FusedTTTLoss.apply(lm_head_weight, targets.logits, weights, compute_dtype,
                                                  chunk_tokens, compiled, torch.is_grad_enabled(), *normed)  # fmt: skip
     correct = (draft_argmax == tgt) & in_vocab  # [S, M]
-    prev = torch.ones_like(correct[0])
-    rows = []
-    for k in range(S):
-        cond = valid[k] & prev
-        rows.append(torch.stack([(kl[k] * kept[k]).sum(), kept[k].sum(), valid[k].sum(), (correct[k] & valid[k]).sum(),
-                                 (correct[k] & cond).sum(), cond.sum()]).double())  # fmt: skip
-        prev = prev & correct[k]
-    return loss, torch.stack(rows)
+    # conditional on every earlier step being right: an exclusive running AND of `correct` over the steps
+    earlier_right = torch.cat([torch.ones_like(correct[:1]), correct[:-1].cummin(0).values])  # [S, M]
+    cond = valid & earlier_right
+    cols = torch.stack([kl.double() * kept, kept, valid, correct & valid, correct & cond, cond], dim=-1)  # [S, M, 6]
+    return loss, cols.sum(1)  # [S, 6] in STAT_COLUMNS order
 
 
 def implied_tau(cond_acc: Sequence[float]) -> float:

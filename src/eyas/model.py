@@ -236,6 +236,7 @@ class TTTContext:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._block_masks: dict[int, Any] = {}
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (causal, diagonal) blocks, [B, T, T] each
         self.step = 0  # the TTT step the next :meth:`attend` call belongs to
 
     def begin(self, step: int) -> None:
@@ -247,12 +248,15 @@ class TTTContext:
         self.step = step
 
     def _dense_mask(self, k: int) -> torch.Tensor:
-        B, T = self.doc_ids.shape
-        idx = torch.arange(T, device=self.doc_ids.device)
-        same_doc = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (self.doc_ids[:, :, None] >= 0)
-        diag = torch.eye(T, dtype=torch.bool, device=idx.device).expand(B, T, T)
-        # A padding query (doc -1) sees only itself: no fully masked row, so SDPA never yields NaN.
-        causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
+        if self._dense is None:  # built once per context and shared by every step
+            B, T = self.doc_ids.shape
+            idx = torch.arange(T, device=self.doc_ids.device)
+            same_doc = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (self.doc_ids[:, :, None] >= 0)
+            diag = torch.eye(T, dtype=torch.bool, device=idx.device).expand(B, T, T)
+            # A padding query (doc -1) sees only itself: no fully masked row, so SDPA never yields NaN.
+            causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
+            self._dense = (causal, diag)
+        causal, diag = self._dense
         return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
 
     def _block_mask(self, k: int):
@@ -502,22 +506,25 @@ class Eagle3Draft(nn.Module):
             aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, context,
-             inputs_embeds: torch.Tensor | None = None):  # fmt: skip
+    def step(self, input_ids: torch.Tensor | None, hidden: torch.Tensor, position_ids: torch.Tensor, context,
+             inputs_embeds: torch.Tensor | None = None,
+             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         """One draft forward: the same function in training-time test and in inference.
 
         ``input_ids [B, T]`` are the tokens *after* the positions whose states
         ``hidden [B, T, H]`` carry (fused verifier states, or the draft's own
         pre-norm output of the previous step); ``position_ids [B, T]``;
         ``inputs_embeds [B, T, H]``, when given, their embeddings (looked up
-        elsewhere, e.g. in host memory by training's data loader).
+        elsewhere, e.g. in host memory by training's data loader; ``input_ids``
+        may then be None); ``position_embeddings``, when given, the RoPE
+        ``(cos, sin)`` of ``position_ids`` (transformers' name), computed by the caller.
         Returns ``(normed, next_hidden)``, both ``[B, T, H]``: logits come from
         :meth:`compute_logits` on ``normed``, and ``next_hidden`` is the state
         the next step consumes: the pre-norm output (vLLM's ``hidden_prenorm``),
         or ``normed`` with ``norm_output``.
         """
         embeds = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
-        cos, sin = self.rotary_emb(hidden, position_ids)
+        cos, sin = position_embeddings if position_embeddings is not None else self.rotary_emb(hidden, position_ids)
         prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
         normed = self.norm(prenorm)
         return normed, normed if self.config.norm_output else prenorm
@@ -551,23 +558,30 @@ class Eagle3Draft(nn.Module):
             position_ids = _positions_within_docs(doc_ids)
         context = TTTContext(doc_ids, self.attn_implementation)
         hidden = self.fuse(aux_hidden)
+        # Every step's embeddings and RoPE at once (the host dispatches each operation once, not once per step):
+        # step k reads the rows of x_{t+1+k} (ids past the end read id 0; their loss is masked) at position
+        # pos_t + k.
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(F.pad(input_ids, (0, steps)))  # [B, T + steps, H]
+        offsets = torch.arange(steps, device=position_ids.device)[:, None, None]  # [steps, 1, 1]
+        cos, sin = self.rotary_emb(hidden, position_ids + offsets)  # [steps, B, T, head_dim] each
         outputs = []
         for k in range(steps):
-            if inputs_embeds is None:
-                ids, embeds = F.pad(input_ids[:, 1 + k :], (0, 1 + k)), None  # [B, T]: x_{t+1+k}
-            else:  # the rows of x_{t+1+k}, already looked up: no ids needed
-                ids, embeds = None, inputs_embeds[:, 1 + k : 1 + k + T]  # [B, T, H]
+            # [B, T, H]: x_{t+1+k}; a contiguous copy, as a per-step lookup wrote: a compiled layer fed the strided
+            # slice ran slower (CPU host time per step 3.8 vs 2.8 ms in bench/train_throughput.py --preset smoke)
+            embeds = inputs_embeds[:, 1 + k : 1 + k + T].contiguous()
 
-            def run(ids, hidden, positions, embeds, k=k):
+            def run(hidden, positions, embeds, cos, sin, k=k):
                 context.begin(k)
-                return self.step(ids, hidden, positions, context, inputs_embeds=embeds)
+                return self.step(None, hidden, positions, context, inputs_embeds=embeds, position_embeddings=(cos, sin))
 
+            args = (hidden, position_ids + k, embeds, cos[k], sin[k])
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
-                normed, hidden = checkpoint(run, ids, hidden, position_ids + k, embeds, use_reentrant=False)
+                normed, hidden = checkpoint(run, *args, use_reentrant=False)
             else:
-                normed, hidden = run(ids, hidden, position_ids + k, embeds)
+                normed, hidden = run(*args)
             outputs.append(normed)
         return outputs
 

@@ -142,30 +142,31 @@ class Meter:
 
     def reset(self) -> None:
         self.stats = torch.zeros(self.steps, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
-        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, grad norm, non-finite count
+        # summed loss and gradient norm: both are >= 0, so a sum is finite exactly when every term was (a NaN or
+        # inf loss is found at the next log without a check per micro-batch)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.n, self.tokens = 0, 0
 
     def add(self, loss: torch.Tensor, stats: torch.Tensor) -> None:
-        self.stats += stats.double()
-        self.sums[0] += loss.detach().double()
-        self.sums[2] += (~torch.isfinite(loss.detach())).double()
+        self.stats += stats
+        self.loss_sum += loss.detach()
 
     def add_step(self, grad_norm: torch.Tensor | None, tokens: int) -> None:
         if grad_norm is not None:
-            self.sums[1] += grad_norm.double()
-            self.sums[2] += (~torch.isfinite(grad_norm)).double()
+            self.grad_norm_sum += grad_norm
         self.n += 1
         self.tokens += tokens
 
     def collect(self, d) -> dict[str, Any]:
-        packed = torch.cat([self.stats.flatten(), self.sums])
+        packed = torch.cat([self.stats.flatten(), self.loss_sum[None], self.grad_norm_sum[None]])
         if d.active:
             torch.distributed.all_reduce(packed)
         stats = packed[: self.stats.numel()].view_as(self.stats)
-        loss, gnorm, bad = packed[self.stats.numel() :].tolist()
+        loss, gnorm = packed[self.stats.numel() :].tolist()
         out = summarize(stats)
         out.update(loss_total=loss / max(self.n, 1), grad_norm=gnorm / max(self.n * d.world_size, 1),
-                   finite=bad == 0 and math.isfinite(loss), steps=self.n, tokens=self.tokens)  # fmt: skip
+                   finite=math.isfinite(loss) and math.isfinite(gnorm), steps=self.n, tokens=self.tokens)  # fmt: skip
         self.reset()
         return out
 
