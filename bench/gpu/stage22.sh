@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU stage 22 (kind nvidia-h200-x2, no carry), written in the sixth session (no device time was left to it), to
+# run after stage 21: the sixth session's host-side changes to the training step (step masks, statistics, RoPE
+# and embeddings once per TTT run instead of once per step; the host dispatches 351 operators a step where it
+# dispatched 497, counted on CPU) checked on the GPU. GPU 0: the GPU tests, then a profile at Llama-3.1-8B dims
+# (GPU busy and idle per step, and what the host dispatches). GPU 1: a profile at Kimi-K2.5 dims.
+source bench/gpu/common.sh
+W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"
+python3 -c "import sys; sys.path.insert(0, 'bench'); import synthetic; from pathlib import Path
+synthetic.inputs(Path('/tmp/eb'), 'llama8b', rows=26, seq_len=2048); synthetic.inputs(Path('/tmp/eb'), 'kimi', rows=26, seq_len=2048)"
+( export CUDA_VISIBLE_DEVICES=0
+  run gpu_tests timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex.py
+  run e_llama_profile timeout 200 python3 bench/train_throughput.py $W --preset llama8b --steps 24 $M --torch-profile 5
+  cp $OUT/e_llama_profile.err $OUT/profile_llama.txt ) &
+( export CUDA_VISIBLE_DEVICES=1
+  run e_kimi_profile timeout 260 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --torch-profile 5
+  cp $OUT/e_kimi_profile.err $OUT/profile_kimi.txt ) &
+wait
+cd $OUT && cat *.jsonl > results.jsonl && for f in *.err; do echo "=== $f"; tail -c 2500 $f; done > errs.txt
+rm -f *.err $(ls *.jsonl | grep -v results.jsonl); cat status.txt
