@@ -73,8 +73,9 @@ class TargetHead:
         """``last [M, H]`` pre-norm verifier states -> :class:`Targets` with ``pad`` zero rows appended."""
         M, N = last.shape[0], self.rows.shape[0]
         h = self.norm(last.to(self.rows.dtype)).to(self.rows.dtype)  # [M, H]
-        logits = torch.zeros(M + pad, N, dtype=self.rows.dtype, device=last.device)
+        logits = torch.empty(M + pad, N, dtype=self.rows.dtype, device=last.device)
         torch.mm(h, self.rows.t(), out=logits[:M])  # [M, N]
+        logits[M:].zero_()  # only the pad rows: the product writes the rest
         dmax, darg = logits.max(dim=-1)  # first maximal index: the lowest target id among ties
         in_vocab = torch.zeros(M + pad, dtype=torch.bool, device=last.device)
         if self.rest is None:
