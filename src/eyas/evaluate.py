@@ -42,6 +42,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.model import DraftConfig, Eagle3Draft
+from eyas.verifier import varying_shape_attention
 
 CompileMode = Literal["auto", "none", "default", "reduce-overhead"]
 CacheKind = Literal["auto", "static", "dynamic"]
@@ -217,7 +218,10 @@ class VerifierRunner:
             logits, aux = self._compiled(input_ids[None], pos, 0)
             # CUDA-graph outputs live in a pool the next replay overwrites: copy what the caller keeps.
             return logits.float().clone(), None if aux is None else aux.clone()
-        logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
+        # Eager forwards (prefills of any length; every decoding step with a dynamic cache, whose key length
+        # grows) see a new shape almost every call: no cuDNN attention plan per shape (eyas.verifier).
+        with varying_shape_attention(self.device):
+            logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
         return logits.float(), aux
 
 
