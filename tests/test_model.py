@@ -218,3 +218,53 @@ def test_rope_matches_transformers_and_stays_fp32():
         model.to(torch.bfloat16)
         cos, _ = model.rotary_emb(x, pos)
         torch.testing.assert_close(cos, ref(x, pos)[0], rtol=0, atol=0)  # frequencies were not rounded
+
+
+def test_compiled_draft_equals_eager_on_cpu():
+    """compile_draft (the layer's TTT step, attention included, as one compiled region; the norm) computes what the
+    eager draft computes, forward and gradients, with and without gradient checkpointing; a new batch's
+    documents (a new context, mask and key lists) reuse the compiled graphs instead of recompiling."""
+    from eyas.train import compile_draft
+
+    torch.manual_seed(12)
+    B, T, steps = 2, 24, 3
+    ids, aux = torch.randint(0, V, (B, T)), torch.randn(B, T, 3 * H)
+    docs = [torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4]), torch.tensor([[0] * 5 + [1] * 19, [0] * 24])]
+
+    def run(model, doc, checkpointing=False):
+        model.gradient_checkpointing = checkpointing
+        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc)
+        sum(model.compute_logits(o).logsumexp(-1).mean() for o in outs).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return [o.detach() for o in outs], grads
+
+    eager, compiled = _draft(seed=12).float(), _draft(seed=12).float()
+    compile_draft(compiled)
+    for i, doc in enumerate(docs):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            for checkpointing in (False, True):
+                (want, want_g), (got, got_g) = run(eager, doc), run(compiled, doc, checkpointing)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+                assert got_g.keys() == want_g.keys()
+                for name, g in want_g.items():
+                    torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_flex_in_the_compiled_layer_equals_sdpa_on_cpu():
+    """Flex attention traced inside the compiled layer region (forward: torch has no flex backward on CPU; the
+    GPU tests check gradients) equals SDPA with the dense mask, across two batches without recompiling."""
+    from eyas.train import compile_draft
+
+    torch.manual_seed(13)
+    B, T, steps = 2, 32, 3
+    ids, aux = torch.randint(0, V, (B, T)), torch.randn(B, T, 3 * H)
+    sdpa, flex = _draft(seed=13).float(), _draft(seed=13, impl="flex").float()
+    compile_draft(flex)
+    for i, doc in enumerate([torch.tensor([[0] * 12 + [1] * 20, [0] * 28 + [-1] * 4]), torch.zeros(B, T, dtype=torch.long)]):
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
+            want = sdpa.ttt(ids, aux, steps=steps, doc_ids=doc)
+            got = flex.ttt(ids, aux, steps=steps, doc_ids=doc)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

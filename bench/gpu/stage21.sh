@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU stage 21 (kind nvidia-h200-x2, carry .whl .carry/whl-min), written in the fifth session, not yet run (the sixth
-# had no device time; it runs the code in the tree, so the sixth session's host-side changes too): what
+# had no device time; it runs the code in the tree, so the sixth session's host-side changes too: run
+# stage22.sh first, whose GPU tests check the sixth session's compiled region on CUDA): what
 # stage 20 left unmeasured, with limits long enough for compilation. GPU 0: eyas at Llama-3.1-8B dims in
 # speculators' setting (the final code: working weights, two compiled regions, the embedding looked up by the
 # loader), then the same without loader embeddings (its memory A/B), then Kimi-K2.5 dims. GPU 1, at the same

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU stage 22 (kind nvidia-h200-x2, no carry), written in the sixth session (no device time was left to it), to
-# run after stage 21: the sixth session's host-side changes to the training step (step masks, statistics, RoPE
-# and embeddings once per TTT run instead of once per step; the host dispatches 351 operators a step where it
-# dispatched 497, counted on CPU) checked on the GPU. GPU 0: the GPU tests, then a profile at Llama-3.1-8B dims
-# (GPU busy and idle per step, and what the host dispatches). GPU 1: a profile at Kimi-K2.5 dims.
+# GPU stage 22 (kind nvidia-h200-x2, no carry), written in the sixth session (no device time was left to it). Run
+# it before stage 21: its GPU tests check the new compiled region on CUDA before stage 21 spends time on it.
+# What it checks: the sixth session's host-side changes to the training step (step masks, statistics, RoPE and
+# embeddings once per TTT run instead of once per step; each TTT step of the layer one compiled region with
+# flex attention inside; counted on CPU, the host dispatches 300 operators and 15 compiled graphs per step where
+# it dispatched 497 and 21). GPU 0: the GPU tests (flex inside the compiled region: gradients), then a profile
+# at Llama-3.1-8B dims (GPU busy and idle per step, what the host dispatches). GPU 1: a profile at Kimi-K2.5 dims.
 source bench/gpu/common.sh
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"
 python3 -c "import sys; sys.path.insert(0, 'bench'); import synthetic; from pathlib import Path

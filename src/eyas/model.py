@@ -237,12 +237,12 @@ class TTTContext:
         self.values: list[torch.Tensor] = []
         self._block_masks: dict[int, Any] = {}
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (causal, diagonal) blocks, [B, T, T] each
-        self.step = 0  # the TTT step the next :meth:`attend` call belongs to
+        self.step = 0  # the TTT step the next layer call belongs to
 
     def begin(self, step: int) -> None:
         """Start TTT step ``step``. With activation checkpointing a step is run again during backward: its
-        :meth:`attend` then replaces that step's keys and values (equal to the first run's) instead of
-        appending, and sees the same earlier steps it saw the first time."""
+        :meth:`record` then replaces that step's keys and values (equal to the first run's) instead of
+        appending, and :meth:`past` gives the same earlier steps it gave the first time."""
         if step > len(self.keys):
             raise ValueError(f"TTT step {step} begun before step {len(self.keys)}")
         self.step = step
@@ -277,28 +277,33 @@ class TTTContext:
             self._block_masks[k] = build(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
         return self._block_masks[k]
 
-    # Runs outside any torch.compile graph: a compiled layer breaks here, and flex attention is compiled on its
-    # own (_flex_attention), so a context object never becomes a guard of a compiled graph.
-    @torch.compiler.disable
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               position_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """q [B,h,T,d]; k/v [B,kv,T,d] of the current step; returns [B,h,T,d]. (Positions are implied by
-        the step and index; the argument keeps one signature with :class:`DraftCache`.)"""
-        step = self.step
-        del self.keys[step:], self.values[step:]  # a recomputed step drops its first run's (equal) keys
+    def past(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The keys and values ``[B, kv, T, d]`` of the steps before the current one."""
+        return self.keys[: self.step], self.values[: self.step]
+
+    def mask(self):
+        """The current step's mask, in the format its attention takes: a ``BlockMask`` for flex, a dense
+        ``[B, 1, T, (step+1)*T]`` boolean otherwise."""
+        return self._block_mask(self.step) if self.impl == "flex" else self._dense_mask(self.step)
+
+    def record(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the current step's keys and values ``[B, kv, T, d]`` for the steps after it."""
+        del self.keys[self.step :], self.values[self.step :]  # a recomputed step drops its first run's (equal) keys
         self.keys.append(k)
         self.values.append(v)
-        keys = torch.cat(self.keys, dim=2)  # [B, kv, (step+1)*T, d]
-        values = torch.cat(self.values, dim=2)
-        groups = q.shape[1] // k.shape[1]
-        if self.impl == "flex":
-            return _flex_attention(q, keys, values, block_mask=self._block_mask(step), scale=scale,
-                                   enable_gqa=groups > 1)  # fmt: skip
-        mask = self._dense_mask(step)
-        keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
-        if self.impl == "eager":
-            return _eager_attention(q, keys, values, mask, scale)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def ttt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float,
+                  impl: AttnImpl) -> torch.Tensor:  # fmt: skip
+    """Attention of one TTT step over every step's keys so far. q [B,h,T,d]; keys/values [B,kv,(k+1)*T,d];
+    ``mask`` from :meth:`TTTContext.mask` (its ``impl``). Returns [B,h,T,d]."""
+    groups = q.shape[1] // keys.shape[1]
+    if impl == "flex":
+        return _flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=groups > 1)
+    keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+    if impl == "eager":
+        return _eager_attention(q, keys, values, mask, scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 _compiled_flex = None
@@ -316,7 +321,12 @@ def _compiled_create_block_mask():
 
 
 def _flex_attention(q, k, v, **kwargs):
-    """flex_attention compiled once per process (uncompiled it materialises the scores)."""
+    """flex_attention compiled once per process (uncompiled it materialises the scores); inside a compiled
+    region (the training layer) it is traced as part of that region."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, **kwargs)
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -436,8 +446,8 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = Eagle3MLP(cfg)
 
-    # The layer in two halves around attention, each a function of tensors only, so training can compile each
-    # as one region (eyas.train.compile_draft) while the context's attention runs between them.
+    # The layer in two halves around attention: inference runs its cache's attention between them; training
+    # runs all three as one function of tensors (ttt_forward), which it compiles as one region.
     def pre_attention(self, embeds, hidden, cos, sin):
         """-> q, k, v (RoPE applied) and the residual."""
         normed = self.hidden_norm(hidden)
@@ -449,7 +459,26 @@ class Eagle3DecoderLayer(nn.Module):
         h = residual + self.self_attn.output(attn)
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output: vLLM's hidden_prenorm
 
+    def ttt_forward(self, embeds, hidden, cos, sin, past_keys, past_values, mask, impl: AttnImpl):
+        """One TTT step of the layer, attention included, as a function of tensors only (eyas.train.compile_draft
+        compiles it as one region: the host then dispatches one graph per step, not three).
+
+        ``past_keys`` / ``past_values``: the earlier steps' ``[B, kv, T, d]``; ``mask`` and ``impl`` from the
+        :class:`TTTContext`. Returns the pre-norm output ``[B, T, H]`` and this step's k, v ``[B, kv, T, d]``.
+        """
+        q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
+        keys = torch.cat([*past_keys, k], dim=2)  # [B, kv, (step+1)*T, d]
+        values = torch.cat([*past_values, v], dim=2)
+        attn = ttt_attention(q, keys, values, mask, self.self_attn.scale, impl)
+        return self.post_attention(attn, residual), k, v
+
     def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
+        if isinstance(context, TTTContext):
+            past_keys, past_values = context.past()
+            out, k, v = self.ttt_forward(embeds, hidden, cos, sin, past_keys, past_values, context.mask(),
+                                         context.impl)  # fmt: skip
+            context.record(k, v)
+            return out
         q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
         return self.post_attention(context.attend(q, k, v, self.self_attn.scale, position_ids), residual)
 

@@ -73,13 +73,13 @@ class TTTObjective(nn.Module):
 
 
 def compile_draft(draft) -> None:
-    """Compile the draft layer in place (state-dict keys unchanged) as two regions, the halves before and after
-    attention (:meth:`eyas.model.TTTContext.attend` runs between them, eagerly around its own compiled flex
-    kernel), and the final norm. Fewer, larger regions: each region costs the host a guard check and an
-    autograd wrapper per call, forward and backward, and the step is host-bound at 2048 tokens."""
+    """Compile the draft for training in place (state-dict keys unchanged): the layer's TTT step, attention
+    included (:meth:`eyas.model.Eagle3DecoderLayer.ttt_forward`), and the final norm. Each region costs the
+    host a guard check and an autograd wrapper per call, forward and backward, and the step is host-bound at
+    2048 tokens: two regions per TTT step (the fifth session had four: the layer's halves around an eager
+    attention call that ran its own compiled flex kernel, and the norm)."""
     layer = draft.layers[0]
-    layer.pre_attention = torch.compile(layer.pre_attention, dynamic=False)
-    layer.post_attention = torch.compile(layer.post_attention, dynamic=False)
+    layer.ttt_forward = torch.compile(layer.ttt_forward, dynamic=False)
     draft.norm.compile(dynamic=False)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
 
