@@ -2,8 +2,8 @@
 # GPU stage 22 (kind nvidia-h200-x2, no carry), written in the sixth session (no device time was left to it). Run
 # it before stage 21: its GPU tests check the new compiled region on CUDA before stage 21 spends time on it.
 # What it checks: the sixth session's host-side changes to the training step (step masks, statistics, RoPE and
-# embeddings once per TTT run instead of once per step; each TTT step of the layer one compiled region with
-# flex attention inside; counted on CPU, the host dispatches 300 operators and 15 compiled graphs per step where
+# embeddings once per TTT run instead of once per step; each TTT step of the draft one compiled region with
+# flex attention inside; counted on CPU, the host dispatches 299 operators and 9 compiled graphs per step where
 # it dispatched 497 and 21). GPU 0: the GPU tests (flex inside the compiled region: gradients), then a profile
 # at Llama-3.1-8B dims (GPU busy and idle per step, what the host dispatches). GPU 1: a profile at Kimi-K2.5 dims,
 # then Llama dims with the embedding on the device (`--no-loader-embeddings`: the loader embeddings' memory A/B).

@@ -447,7 +447,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(cfg)
 
     # The layer in two halves around attention: inference runs its cache's attention between them; training
-    # runs all three as one function of tensors (ttt_forward), which it compiles as one region.
+    # runs all three as one function of tensors (ttt_forward), which it compiles as one region with the norm.
     def pre_attention(self, embeds, hidden, cos, sin):
         """-> q, k, v (RoPE applied) and the residual."""
         normed = self.hidden_norm(hidden)
@@ -460,8 +460,7 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output: vLLM's hidden_prenorm
 
     def ttt_forward(self, embeds, hidden, cos, sin, past_keys, past_values, mask, impl: AttnImpl):
-        """One TTT step of the layer, attention included, as a function of tensors only (eyas.train.compile_draft
-        compiles it as one region: the host then dispatches one graph per step, not three).
+        """One TTT step of the layer, attention included, as a function of tensors only.
 
         ``past_keys`` / ``past_values``: the earlier steps' ``[B, kv, T, d]``; ``mask`` and ``impl`` from the
         :class:`TTTContext`. Returns the pre-norm output ``[B, T, H]`` and this step's k, v ``[B, kv, T, d]``.
@@ -473,12 +472,7 @@ class Eagle3DecoderLayer(nn.Module):
         return self.post_attention(attn, residual), k, v
 
     def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
-        if isinstance(context, TTTContext):
-            past_keys, past_values = context.past()
-            out, k, v = self.ttt_forward(embeds, hidden, cos, sin, past_keys, past_values, context.mask(),
-                                         context.impl)  # fmt: skip
-            context.record(k, v)
-            return out
+        """Inference: the layer around its cache's attention (training runs :meth:`ttt_forward`)."""
         q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
         return self.post_attention(context.attend(q, k, v, self.self_attn.scale, position_ids), residual)
 
@@ -554,9 +548,22 @@ class Eagle3Draft(nn.Module):
         """
         embeds = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).to(hidden.dtype)
         cos, sin = position_embeddings if position_embeddings is not None else self.rotary_emb(hidden, position_ids)
-        prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
-        normed = self.norm(prenorm)
+        if isinstance(context, TTTContext):
+            past_keys, past_values = context.past()
+            normed, prenorm, k, v = self.ttt_block(embeds, hidden, cos, sin, past_keys, past_values, context.mask(),
+                                                   context.impl)  # fmt: skip
+            context.record(k, v)
+        else:
+            prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
+            normed = self.norm(prenorm)
         return normed, normed if self.config.norm_output else prenorm
+
+    def ttt_block(self, embeds, hidden, cos, sin, past_keys, past_values, mask, impl: AttnImpl):
+        """:meth:`step`'s layer and final norm in training-time test, as a function of tensors only
+        (``eyas.train.compile_draft`` compiles it as one region: the host dispatches one graph per TTT step, not
+        four). Returns ``(normed, prenorm, k, v)``; see :meth:`Eagle3DecoderLayer.ttt_forward`."""
+        prenorm, k, v = self.layers[0].ttt_forward(embeds, hidden, cos, sin, past_keys, past_values, mask, impl)
+        return self.norm(prenorm), prenorm, k, v
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits ``[..., draft_vocab]``."""

@@ -73,14 +73,12 @@ class TTTObjective(nn.Module):
 
 
 def compile_draft(draft) -> None:
-    """Compile the draft for training in place (state-dict keys unchanged): the layer's TTT step, attention
-    included (:meth:`eyas.model.Eagle3DecoderLayer.ttt_forward`), and the final norm. Each region costs the
+    """Compile the draft for training in place (state-dict keys unchanged): each TTT step's layer, attention
+    included, and final norm as one region (:meth:`eyas.model.Eagle3Draft.ttt_block`). Each region costs the
     host a guard check and an autograd wrapper per call, forward and backward, and the step is host-bound at
-    2048 tokens: two regions per TTT step (the fifth session had four: the layer's halves around an eager
+    2048 tokens: one region per TTT step (the fifth session had four: the layer's halves around an eager
     attention call that ran its own compiled flex kernel, and the norm)."""
-    layer = draft.layers[0]
-    layer.ttt_forward = torch.compile(layer.ttt_forward, dynamic=False)
-    draft.norm.compile(dynamic=False)
+    draft.ttt_block = torch.compile(draft.ttt_block, dynamic=False)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
 
 
