@@ -221,8 +221,8 @@ def test_rope_matches_transformers_and_stays_fp32():
 
 
 def test_compiled_draft_equals_eager_on_cpu():
-    """compile_draft (each TTT step's layer, attention included, and final norm as one compiled region) computes what the
-    eager draft computes, forward and gradients, with and without gradient checkpointing; a new batch's
+    """compile_draft (each TTT step's layer, attention included, and final norm as one compiled region) computes
+    what the eager draft computes, forward and gradients, with and without gradient checkpointing; a new batch's
     documents (a new context, mask and key lists) reuse the compiled graphs instead of recompiling."""
     from eyas.train import compile_draft
 
