@@ -30,3 +30,6 @@ def test_bench_smoke(tmp_path, script, extra):
     else:
         assert result["steps"] == 6 and result["tokens_per_s"] > 0
         assert "torch.profiler" in r.stderr
+        lines = r.stderr.splitlines()
+        host = json.loads(lines[lines.index("=== what the host dispatches") + 1])
+        assert host["steps"] == 2 and host["eager_ops_per_step"] > 0 and host["host_ms_per_step"] > 0
