@@ -293,10 +293,10 @@ class TTTContext:
         self.values.append(v)
 
 
-def ttt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float,
-                  impl: AttnImpl) -> torch.Tensor:  # fmt: skip
-    """Attention of one TTT step over every step's keys so far. q [B,h,T,d]; keys/values [B,kv,(k+1)*T,d];
-    ``mask`` from :meth:`TTTContext.mask` (its ``impl``). Returns [B,h,T,d]."""
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float,
+                     impl: AttnImpl) -> torch.Tensor:  # fmt: skip
+    """Attention under a context's mask, in the context's implementation. q [B,h,T,d]; keys/values [B,kv,S,d];
+    ``mask``: a ``BlockMask`` for flex, a dense ``[B, 1, T, S]`` boolean otherwise. Returns [B,h,T,d]."""
     groups = q.shape[1] // keys.shape[1]
     if impl == "flex":
         return _flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=groups > 1)
@@ -380,11 +380,7 @@ class DraftCache:
         self.valid[rows, pos] = True
         slots = torch.arange(self.max_len, device=pos.device)
         mask = (self.valid[:, None, :] & (slots[None, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
-        groups = q.shape[1] // k.shape[1]
-        keys, values = _repeat_kv(self.k.to(q.dtype), groups), _repeat_kv(self.v.to(q.dtype), groups)
-        if self.impl == "eager":
-            return _eager_attention(q, keys, values, mask, scale)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return masked_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), mask, scale, self.impl)
 
 
 # --------------------------------------------------------------------------- modules
@@ -468,7 +464,7 @@ class Eagle3DecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
         keys = torch.cat([*past_keys, k], dim=2)  # [B, kv, (step+1)*T, d]
         values = torch.cat([*past_values, v], dim=2)
-        attn = ttt_attention(q, keys, values, mask, self.self_attn.scale, impl)
+        attn = masked_attention(q, keys, values, mask, self.self_attn.scale, impl)
         return self.post_attention(attn, residual), k, v
 
     def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
