@@ -129,11 +129,18 @@ class Dist:
             raise EyasError(result[1])
         return result[1]
 
+    def __enter__(self) -> "Dist":
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        # after an error a peer may be dead: no barrier that would only wait out the timeout
+        self.close(sync=exc_type is None)
+
     def close(self, *, sync: bool = True) -> None:
         """Tear the process group down (safe to call twice, and on the null object).
 
         ``sync``: first wait for every rank to get here, so no rank closes its connections while a peer is still
-        in a collective with it (a rank that tore gloo down early made its peer abort at exit, once in CI). Pass
+        in a collective with it (one candidate cause of a rank's abort at the end of a run, seen once in CI). Pass
         ``sync=False`` on an error path, where a peer may be dead and the barrier would only wait out the
         timeout."""
         if self.active:

@@ -653,16 +653,10 @@ def extract(
     if device_map is not None and device is not None:
         raise EyasError("give either --device or --device-map, not both")
     kind = "cuda" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
-    d = _dist.init(device_type=kind)
-    try:
-        result = _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,
-                       batch_tokens=batch_tokens, dtype=dtype, device=device, device_map=device_map,
-                       shard_tokens=shard_tokens, speculators_out=speculators_out)  # fmt: skip
-    except BaseException:
-        d.close(sync=False)  # a peer may be dead: no barrier that would only wait out the timeout
-        raise
-    d.close()
-    return result
+    with _dist.init(device_type=kind) as d:
+        return _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,
+                        batch_tokens=batch_tokens, dtype=dtype, device=device, device_map=device_map,
+                        shard_tokens=shard_tokens, speculators_out=speculators_out)  # fmt: skip
 
 
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,

@@ -802,15 +802,9 @@ def train(
     from eyas import dist as _dist
 
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    d = _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu")
-    args = {k: v for k, v in locals().items() if k not in ("_dist", "kind", "d")}
-    try:
-        result = _train(d, **args)
-    except BaseException:
-        d.close(sync=False)  # a peer may be dead: no barrier that would only wait out the timeout
-        raise
-    d.close()
-    return result
+    args = {k: v for k, v in locals().items() if k not in ("_dist", "kind")}
+    with _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu") as d:
+        return _train(d, **args)
 
 
 def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -950,7 +944,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
         else:
             draft.to(where)
         draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
-        if a["freeze_lm_head"] and not (d.active and a["dist"] == "fsdp"):  # (an FSDP2 unit wants one dtype)
+        if a["freeze_lm_head"] and not fsdp:  # (an FSDP2 unit wants one dtype)
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
         use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
