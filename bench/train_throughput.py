@@ -165,19 +165,26 @@ def _memory_probe(*, skip: int) -> dict:
     return found
 
 
-def _gpu_gaps(prof, steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
-    """From the profiler's trace: GPU busy time per step (all streams), and the idle gaps on the busiest
-    stream summed by the host operation that launched the kernel after each gap (innermost op and its two
-    parents): where the host, not the GPU, set the pace."""
-    import bisect
-    import collections
+def _trace_events(prof) -> list[dict]:
+    """The profiler's trace events (its Chrome trace, read back once for every analysis below)."""
     import os
 
     path = tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
-    with open(path) as f:
-        ev = json.load(f)["traceEvents"]
-    os.unlink(path)
+    try:
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+
+
+def _gpu_gaps(ev: list[dict], steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
+    """From the profiler's trace events: GPU busy time per step (all streams), and the idle gaps on the busiest
+    stream summed by the host operation that launched the kernel after each gap (innermost op and its two
+    parents): where the host, not the GPU, set the pace."""
+    import bisect
+    import collections
+
     gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     busy, end = 0.0, -1.0
     for e in sorted(gpu, key=lambda e: e["ts"]):
@@ -218,19 +225,13 @@ def _gpu_gaps(prof, steps: int, *, min_us: float = 5.0, top: int = 25) -> dict:
             "idle_by_launching_op_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in by_op.most_common(top)}}
 
 
-def _host_ops(prof, steps: int, *, top: int = 30) -> dict:
-    """From the profiler's trace: the operators the host dispatches itself per step, i.e. ATen ops not called
+def _host_ops(ev: list[dict], steps: int, *, top: int = 30) -> dict:
+    """From the profiler's trace events: the operators the host dispatches itself per step, i.e. ATen ops not called
     from inside another ATen op or a compiled graph (on CUDA each is one or more kernel launches, and the
     step is host-bound), counted by name, and the compiled-graph calls; with the host's time per step. Runs on
     any device, so host work can be cut and counted on a CPU machine."""
     import collections
-    import os
 
-    path = tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        ev = json.load(f)["traceEvents"]
-    os.unlink(path)
     ops = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
                  key=lambda e: (e["ts"], -e["dur"]))  # fmt: skip
     # inside these the host does not dispatch on its own (a loader without workers runs in this process: its
@@ -273,11 +274,12 @@ def _profiler(active: int, *, wait: int):
         print(ka.table(sort_by=dev, row_limit=45, max_name_column_width=70), file=sys.stderr)
         print("=== by cpu_time_total", file=sys.stderr)
         print(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70), file=sys.stderr)
+        ev = _trace_events(p)
         if torch.cuda.is_available():
             print("=== where the GPU waits for the host", file=sys.stderr)
-            print(json.dumps(_gpu_gaps(p, active)), file=sys.stderr)
+            print(json.dumps(_gpu_gaps(ev, active)), file=sys.stderr)
         print("=== what the host dispatches", file=sys.stderr)
-        print(json.dumps(_host_ops(p, active)), file=sys.stderr)
+        print(json.dumps(_host_ops(ev, active)), file=sys.stderr)
 
     prof = profile(activities=acts, schedule=schedule(wait=wait, warmup=2, active=active, repeat=1),
                    on_trace_ready=report)  # fmt: skip
