@@ -110,15 +110,17 @@ _chunk_fns: dict[bool, object] = {}
 
 
 def _chunk_fn(compiled: bool):
-    """:func:`_soft_ce_chunk`, compiled once per process when asked (fuses the softmax passes on GPU)."""
-    if compiled not in _chunk_fns:
-        if compiled:
-            import warnings
+    """:func:`_soft_ce_chunk`, compiled once per process when asked (fuses the softmax passes on GPU).
 
-            # Inductor notes (a UserWarning per compile) that it splits this softmax's long reduction over the
-            # draft vocab rather than fusing it online; known, harmless, and the split is what it should do here.
-            warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled on the fly")
-        _chunk_fns[compiled] = torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
+    Inductor by default splits a long row reduction (here 32k draft-vocab logits per row, ~1k rows) into partial
+    and final kernels, which also turns off its online softmax: the fifth and sixth sessions' profiles showed
+    two such kernels per chunk at about 0.5 TB/s on an H200 (3 ms of a 32 ms step at Llama-3.1-8B dims). One
+    looped reduction per row keeps the online softmax (max and sum of exponentials in one pass); compared in
+    ``bench/loss_kernel.py``. Shapes start static (a run's chunks are all ``chunk_tokens`` long) and turn
+    dynamic only if a second shape comes (dynamo's default)."""
+    if compiled not in _chunk_fns:
+        _chunk_fns[compiled] = torch.compile(_soft_ce_chunk, options={"split_reductions": False}) if compiled \
+            else _soft_ce_chunk  # fmt: skip
     return _chunk_fns[compiled]
 
 

@@ -363,7 +363,10 @@ class Trainer:
         self.draft = draft
         objective = TTTObjective(draft, steps=o.ttt_steps, step_weights=o.step_weights,
                                  drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
-                                 compiled=compiled).to(device)  # fmt: skip
+                                 compiled=compiled)  # fmt: skip
+        # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
+        # --loader-embeddings keeps in host memory onto the device (as it did until the seventh session)
+        objective.step_weights = objective.step_weights.to(device)
         self.model, self.loss_factor = self._parallelize(objective, dist_mode)
         self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
                                            fused=not (self.d.active and dist_mode == "fsdp"))  # fmt: skip

@@ -7,6 +7,7 @@ compiled training run on synthetic features works end to end. Skipped without CU
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -182,3 +183,32 @@ def test_compiled_training_run_end_to_end(tmp_path):
     a = train(out=str(tmp_path / "a"), freeze_lm_head=True, **kw)
     b = train(out=str(tmp_path / "b"), freeze_lm_head=True, gradient_checkpointing=True, **kw)
     assert a["train"]["loss_total"] == pytest.approx(b["train"]["loss_total"], rel=2e-2)
+
+
+def test_loader_embeddings_keep_the_table_off_the_device(tmp_path, monkeypatch):
+    """--loader-embeddings must leave the frozen embedding in host memory: the peak drops by about its size.
+    (Until the seventh session the trainer's blanket ``.to(device)`` copied it to the device anyway; the stage 22
+    A/B at Llama-3.1-8B dims showed the same peak both ways.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import synthetic
+
+    from eyas.train import train
+
+    # a wide vocab on a narrow model, so the table (8 MiB in bf16) outweighs everything that differs between the
+    # two runs (the looked-up rows travel with each batch: about 70 kB)
+    wide = synthetic.Dims(hidden=64, layers=8, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=65536,
+                          draft_vocab=256)  # fmt: skip
+    monkeypatch.setitem(synthetic.PRESETS, "wide-vocab", wide)
+    inp = synthetic.inputs(tmp_path, "wide-vocab", rows=12, seq_len=256)
+    kw = dict(verifier=str(inp["verifier"]), data=str(inp["features"]), vocab=str(inp["vocab"]), epochs=1,
+              max_seq_len=256, batch_tokens=512, val_ratio=0.0, num_workers=2, log_every=2, lr=1e-3,
+              freeze_lm_head=True)  # fmt: skip
+    runs = {}
+    for on_host in (False, True):
+        gc.collect()  # the first run's trainer, freed before the second's peak is measured
+        torch.cuda.reset_peak_memory_stats()
+        runs[on_host] = train(out=str(tmp_path / f"run-{on_host}"), loader_embeddings=on_host, **kw)
+    table = wide.vocab * wide.hidden * 2
+    saved = runs[False]["peak_memory_bytes"] - runs[True]["peak_memory_bytes"]
+    assert saved > 0.75 * table, f"peak {runs[False]['peak_memory_bytes']} vs {runs[True]['peak_memory_bytes']}"
+    assert runs[True]["train"]["loss_total"] == pytest.approx(runs[False]["train"]["loss_total"], rel=1e-2)
