@@ -5,17 +5,23 @@
 # the ratio needs a spread, not one pairing. Here: three alternating pairs at Llama dims (eyas, speculators, ...;
 # the inductor caches stay warm after the first of each), the Kimi-K2.5 memory in eyas' low-memory mode
 # (--gradient-checkpointing: 0.615x of speculators' peak without it), and the attention kernels (the seventh
-# session's run timed the forwards without a warm-up).
+# session's run timed the forwards without a warm-up). Two calls, back to back on one warm machine:
+# `bash bench/gpu/stage25.sh pairs` (about 8 min) and `bash bench/gpu/stage25.sh rest` (about 4 min).
 source bench/gpu/common.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .carry/whl-min/*.whl
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"
 python3 -c "import sys; sys.path.insert(0, 'bench'); import synthetic; from pathlib import Path
 synthetic.inputs(Path('/tmp/eb'), 'llama8b', rows=42, seq_len=2048); synthetic.inputs(Path('/tmp/eb'), 'kimi', rows=26, seq_len=2048)"
-for i in 1 2 3; do
-  run e_llama_$i timeout 110 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M
-  run s_llama_$i timeout 170 python3 bench/speculators_train.py $W --preset llama8b --steps 40 --mode matched
-done
-run e_kimi_ckpt timeout 120 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --gradient-checkpointing
-run attention timeout 90 python3 bench/attention_kernel.py
+if [ "$1" = pairs ]; then
+  for i in 1 2; do
+    run e_llama_$i timeout 100 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M
+    run s_llama_$i timeout 160 python3 bench/speculators_train.py $W --preset llama8b --steps 40 --mode matched
+  done
+  run e_llama_3 timeout 80 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M
+else
+  run e_kimi_ckpt timeout 140 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --gradient-checkpointing
+  run e_kimi timeout 100 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M
+  run attention timeout 90 python3 bench/attention_kernel.py
+fi
 cd $OUT && cat *.jsonl > results.jsonl && for f in *.err; do echo "=== $f"; tail -c 2500 $f; done > errs.txt
 rm -f *.err $(ls *.jsonl | grep -v results.jsonl); cat status.txt
