@@ -212,6 +212,11 @@ class RunLog:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
 
+    def status(self, what: str | None = None) -> None:
+        """Say on the bar what runs between steps (validation, a checkpoint being written), or clear it."""
+        if self.bar is not None:
+            self.bar.set_description(f"train ({what})" if what else "train")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -520,8 +525,12 @@ class Trainer:
     def validate(self) -> dict[str, Any] | None:
         if not self.val_plan:
             return None
+        from tqdm.auto import tqdm
+
         meter = Meter(self.o.ttt_steps, self.device)
-        for item in self._prefetch(iter(self._loader(self.val_plan, 1))):
+        items = self._prefetch(iter(self._loader(self.val_plan, 1)))
+        for item in tqdm(items, total=len(self.val_plan), desc="validate", unit="step", leave=False,
+                         disable=not self.d.is_main, dynamic_ncols=True):  # fmt: skip
             for mb in item["micro_batches"]:
                 loss, stats = self._forward(mb, item["denom"])
                 meter.add(loss, stats)
@@ -629,9 +638,16 @@ class Trainer:
         self.last_train = m
 
     def _validate(self, log: RunLog) -> None:
+        log.status("validating")
         self.last_val = self.validate()
+        log.status()
         if self.last_val is not None:
             log.record({"split": "val", "step": self.global_step, "epoch": self.epoch, **flat_metrics(self.last_val)})
+
+    def _save(self, log: RunLog) -> None:
+        log.status("writing checkpoint")  # seconds at real dims: fp32 weights and optimizer state, fsynced
+        self.save()
+        log.status()
 
     def run(self) -> dict[str, Any]:
         o = self.o
@@ -661,7 +677,7 @@ class Trainer:
                         log.advance({"loss": f"{m['loss_total']:.3f}", "acc0": f"{m['acc'][0]:.3f}",
                                      "tau": f"{m['tau']:.2f}", "tok/s": f"{self.rates[-1][0] / max(self.rates[-1][1], 1e-9):,.0f}"})  # fmt: skip
                         if save:
-                            self.save()
+                            self._save(log)
                         window = time.perf_counter()
                     else:
                         log.advance()
@@ -669,10 +685,10 @@ class Trainer:
                 if self.step_in_epoch == len(steps):
                     self._validate(log)
                     self.epoch, self.step_in_epoch = self.epoch + 1, 0
-                    self.save()
+                    self._save(log)
             if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch: validate and save once more
                 self._validate(log)
-                self.save()
+                self._save(log)
         finally:
             log.close()
         return self._result()
