@@ -33,3 +33,23 @@ def test_bench_smoke(tmp_path, script, extra):
         lines = r.stderr.splitlines()
         host = json.loads(lines[lines.index("=== what the host dispatches") + 1])
         assert host["steps"] == 2 and host["eager_ops_per_step"] > 0 and host["host_ms_per_step"] > 0
+
+
+def _json_lines(args: list[str], cwd: Path) -> list[dict]:
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_loss_kernel_variants_equal_fp64(tmp_path):
+    """Every compile setting bench/loss_kernel.py compares gives the fp64 reference's KL, gradient and argmax."""
+    rows = _json_lines([str(BENCH / "loss_kernel.py"), "--rows", "48", "--vocab", "1000", "--iters", "1"], tmp_path)
+    assert {r["variant"] for r in rows} == {"eager", "dynamic", "dynamic-nosplit", "static", "static-nosplit", "eyas"}
+    for r in rows:  # bf16 inputs: the differences are bf16 rounding
+        assert r["argmax_equal"] and r["kl_err"] < 1e-4 and r["grad_err"] < 1e-2, r
+
+
+def test_attention_kernel_smoke(tmp_path):
+    rows = _json_lines([str(BENCH / "attention_kernel.py"), "--smoke"], tmp_path)
+    assert [r["variant"] for r in rows] == ["flex", "flex-tma", "flex-rows-safe"]
+    assert all("error" not in r and r["fwd_ms"] > 0 for r in rows), rows
