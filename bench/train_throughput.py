@@ -135,32 +135,50 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _memory_probe(*, skip: int) -> dict:
     """Where the peak goes: per optimizer step (after the first ``skip``), the memory held when the step starts
-    (weights, optimizer state, the prefetched batch) and the most the step adds on top (activations, gradients,
-    temporaries), filled in as the run goes; no device sync."""
+    (weights, optimizer state, the prefetched batch), the most the step adds on top (activations, gradients,
+    temporaries), and in which phase of the step the peak falls (``peak_in_forward_gib`` etc.: the allocator's
+    peak between the trainer's phase marks), filled in as the run goes; no device sync."""
     import torch
 
     from eyas import train as train_mod
 
     found = {"at_step_start_gib": 0.0, "step_adds_gib": 0.0, "params_gib": 0.0, "optimizer_state_gib": 0.0}
-    step, seen, run_peak = train_mod.Trainer.train_step, [0], [0]
+    step, mark = train_mod.Trainer.train_step, train_mod._Timer.mark
+    seen, run_peak, step_peak = [0], [0], [0]
     gib = lambda n: round(n / 2**30, 3)  # noqa: E731
+
+    def take() -> int:
+        """The allocator's peak since the last call (then reset), folded into the run's and the step's."""
+        peak = torch.cuda.max_memory_allocated()
+        run_peak[0], step_peak[0] = max(run_peak[0], peak), max(step_peak[0], peak)
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+    def probed_mark(self, name):
+        peak = take()
+        if seen[0] > skip:
+            key = f"peak_in_{name}_gib"
+            found[key] = max(found.get(key, 0.0), gib(peak))
+        mark(self, name)
 
     def probed(self, item, timer):
         seen[0] += 1
-        start = torch.cuda.memory_allocated()
-        run_peak[0] = max(run_peak[0], torch.cuda.max_memory_allocated())  # the run's peak survives the resets
-        torch.cuda.reset_peak_memory_stats()
+        take()
+        start, step_peak[0] = torch.cuda.memory_allocated(), 0
         step(self, item, timer)
+        take()
         if seen[0] > skip:
             found["at_step_start_gib"] = max(found["at_step_start_gib"], gib(start))
-            found["step_adds_gib"] = max(found["step_adds_gib"], gib(torch.cuda.max_memory_allocated() - start))
-            found["params_gib"] = gib(sum(p.numel() * p.element_size() for p in self.model.parameters())
-                                      + sum(b.numel() * b.element_size() for b in self.model.buffers()))
+            found["step_adds_gib"] = max(found["step_adds_gib"], gib(step_peak[0] - start))
+            found["params_gib"] = gib(sum(t.numel() * t.element_size() for t in (*self.model.parameters(),
+                                                                                 *self.model.buffers())
+                                          if t.is_cuda))  # on the device (not a table the loader keeps on the host)
             found["optimizer_state_gib"] = gib(sum(t.numel() * t.element_size() for opt in self.optimizers
                                                    for st in opt.state.values() for t in st.values()
                                                    if torch.is_tensor(t)))  # fmt: skip
 
     train_mod.Trainer.train_step = probed
+    train_mod._Timer.mark = probed_mark
     found["run_peak"] = run_peak
     return found
 
