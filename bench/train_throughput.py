@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--working-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 working copies cast once per step, fp32 weight gradients from the matmuls (default: on)")
+    p.add_argument("--deferred-wgrad", action="store_true",
+                   help="each layer weight's gradient accumulated over the TTT steps by its matmuls (experimental)")
     p.add_argument("--loader-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
                 profile_every=a.profile_every, optimizer=a.optimizer, full_vocab_accuracy=a.full_vocab_accuracy,
                 compile=a.compile, dist=a.dist, freeze_lm_head=a.freeze_lm_head,
                 gradient_checkpointing=a.gradient_checkpointing, working_weights=a.working_weights, loader_embeddings=a.loader_embeddings,
-                norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
+                deferred_wgrad=a.deferred_wgrad, norm_before_residual=layout, norm_before_fc=layout, norm_output=layout)  # fmt: skip
     wall = time.perf_counter() - t0
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
         "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
         "gradient_checkpointing": a.gradient_checkpointing, "working_weights": a.working_weights, "loader_embeddings": a.loader_embeddings,
-        "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
+        "deferred_wgrad": a.deferred_wgrad, "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
         "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
         "peak_memory_gib": round(max(res["peak_memory_bytes"], memory.pop("run_peak")[0] if memory else 0) / 2**30, 2)
         if "peak_memory_bytes" in res else None,

@@ -115,3 +115,58 @@ def test_clip_folded_into_fused_adamw_equals_clip_grad_norm():
         torch.testing.assert_close(na, nb)
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def _deferred_grads(model: Eagle3Draft, batches, steps: int = 3) -> dict[str, torch.Tensor]:
+    """As :func:`_grads`, each micro-batch's forward prepared for deferred weight gradients."""
+    from eyas.precision import begin_deferred_wgrad
+
+    model.zero_grad(set_to_none=True)
+    for i, (ids, aux) in enumerate(batches):
+        assert begin_deferred_wgrad(model, uses=steps, lead_shape=tuple(ids.shape)) == 7  # q k v o gate up down
+        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), steps=steps)
+        down = model.layers[0].mlp.down_proj  # the deferred path ran (compiled too): every use kept its input
+        assert down._use == steps and all(torch.is_tensor(x) for x in down._deferred.x)
+        loss = sum((k + 1 + i) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
+        loss.backward()
+        assert down._deferred.x == [None] * steps  # released by the backward
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_deferred_weight_gradients_equal_autograd():
+    """float64: with each use's weight gradient accumulated into one buffer by its matmul, every gradient
+    (summed over TTT steps and micro-batches) equals plain autograd's; the layer's inputs kept for it are
+    released by the backward."""
+    ref = _draft().double()
+    work = copy.deepcopy(ref)
+    use_working_weights(work, torch.float64, skip=(work.lm_head,), cast_per_call=(work.fc,))
+    batches = _micro_batches()
+    g_ref, g_work = _grads(ref, batches), _deferred_grads(work, batches)
+    assert g_ref.keys() == g_work.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_work[name], g_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+    up = work.layers[0].mlp.up_proj
+    assert up._deferred.x == [None] * 3 and up._deferred.acc is None
+    # without gradients (validation) and after end_deferred_wgrad the plain path runs
+    from eyas.precision import end_deferred_wgrad
+
+    end_deferred_wgrad(work)
+    torch.testing.assert_close(_grads(work, batches)["layers.0.mlp.up_proj.weight"],
+                               g_ref["layers.0.mlp.up_proj.weight"], rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+def test_deferred_weight_gradients_compiled_equal_eager():
+    """The compiled TTT regions with deferred weight gradients (the sinks and kept inputs cross the region's
+    boundary) give eager autograd's gradients, and a second batch reuses the compiled graphs."""
+    from eyas.train import compile_draft
+
+    ref = _draft()
+    work = copy.deepcopy(ref)
+    use_working_weights(work, torch.float32, skip=(work.lm_head,), cast_per_call=(work.fc,))
+    compile_draft(work)
+    g_ref = _grads(ref, _micro_batches(1))
+    g_work = _deferred_grads(work, _micro_batches(1))
+    for name in g_ref:
+        torch.testing.assert_close(g_work[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _deferred_grads(work, _micro_batches(2)[1:])

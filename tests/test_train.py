@@ -141,6 +141,21 @@ def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, t
     assert torch.equal(written["lm_head.weight"], rows.to(written["lm_head.weight"].dtype))
 
 
+def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
+    """--deferred-wgrad (each layer weight's gradient summed over the TTT steps by its matmuls, handed to autograd
+    once) trains the weights of the plain run, over steps with gradient accumulation; with checkpointing it is
+    refused before the first step."""
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=3,
+              val_ratio=0.2, **{**COMMON, "grad_accum": 2})  # fmt: skip
+    train(out=str(tmp_path / "plain"), **kw)
+    train(out=str(tmp_path / "deferred"), deferred_wgrad=True, **kw)
+    a, b = _final_state(tmp_path / "plain"), _final_state(tmp_path / "deferred")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(EyasError, match="--deferred-wgrad needs working weights and no --gradient-checkpointing"):
+        train(out=str(tmp_path / "refused"), deferred_wgrad=True, gradient_checkpointing=True, **kw)
+
+
 def test_loader_embeddings_train_the_same_weights(inputs, tmp_path, monkeypatch):
     """The frozen embedding looked up by the data loader in host memory (the default on CUDA) trains exactly the
     weights of the draft looking it up itself."""

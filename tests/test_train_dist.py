@@ -54,16 +54,21 @@ def _log(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "ddp-deferred", "fsdp"])
 def test_two_ranks_equal_one_process(features, one_process, tmp_path, mode):
+    """ddp-deferred: DDP with deferred weight gradients, whose sum reaches each weight once per backward (DDP's
+    hooks fire once) against the plain one-process reference."""
     verifier, feats = features
     out = tmp_path / mode
+    mode, deferred = mode.removesuffix("-deferred"), mode.endswith("-deferred")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
            "train", "--verifier", verifier, "--data", feats, "--out", str(out), "--grad-accum", "1", "--dist", mode,
            *flags]  # fmt: skip
     if mode == "ddp":  # the embedding looked up by the loader: DDP must leave the frozen table out of its checks
         cmd.append("--loader-embeddings")
+    if deferred:
+        cmd.append("--deferred-wgrad")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]

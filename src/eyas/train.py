@@ -35,7 +35,7 @@ from torch import nn
 from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
 from eyas.errors import EyasError
 from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
-from eyas.precision import refresh_working_weights, use_working_weights
+from eyas.precision import begin_deferred_wgrad, refresh_working_weights, use_working_weights
 
 STAGE = "train"
 CHECKPOINTS = "checkpoints"
@@ -52,16 +52,19 @@ class TTTObjective(nn.Module):
     """The draft plus its loss in one module, so DDP and FSDP2 see every use of ``lm_head`` inside ``forward``."""
 
     def __init__(self, draft, *, steps: int, step_weights: list[float], drop_out_of_vocab: bool,
-                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = 1024) -> None:  # fmt: skip
+                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = 1024,
+                 deferred_wgrad: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.draft = draft
         self.steps, self.drop, self.compute_dtype = steps, drop_out_of_vocab, compute_dtype
-        self.compiled, self.chunk_tokens = compiled, chunk_tokens
+        self.compiled, self.chunk_tokens, self.deferred_wgrad = compiled, chunk_tokens, deferred_wgrad
         self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
 
     def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
                 denom, inputs_embeds=None):  # fmt: skip
         refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
+        if self.deferred_wgrad and torch.is_grad_enabled():  # each layer weight is used once per TTT step
+            begin_deferred_wgrad(self.draft, uses=self.steps, lead_shape=tuple(input_ids.shape))
         normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids,
                                 inputs_embeds=inputs_embeds)  # fmt: skip
         valid = step_masks(loss_mask, doc_ids, self.steps).flatten(1)  # [S, B*T]
@@ -320,6 +323,7 @@ class Options:
     log_every: int
     max_steps: int | None
     profile_every: int
+    deferred_wgrad: bool = False
 
 
 class _Timer:
@@ -368,7 +372,7 @@ class Trainer:
         self.draft = draft
         objective = TTTObjective(draft, steps=o.ttt_steps, step_weights=o.step_weights,
                                  drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
-                                 compiled=compiled)  # fmt: skip
+                                 compiled=compiled, deferred_wgrad=o.deferred_wgrad)  # fmt: skip
         # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
         # --loader-embeddings keeps in host memory onto the device (as it did until the seventh session)
         objective.step_weights = objective.step_weights.to(device)
@@ -750,6 +754,7 @@ def train(
     compile: bool | None = None,
     gradient_checkpointing: bool = False,
     working_weights: bool | None = None,
+    deferred_wgrad: bool = False,
     loader_embeddings: bool | None = None,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
@@ -804,6 +809,9 @@ def train(
         working_weights: compute with working copies of the weights cast once per optimizer step, the weight
             gradients coming out of their matmuls in fp32 (default: on, except under --dist fsdp, which casts
             its gathered shards itself).
+        deferred_wgrad: with working weights, accumulate each layer weight's gradient over the TTT steps in one
+            fp32 buffer by its matmuls, handing autograd the sum once (no per-step gradient and add); not with
+            --gradient-checkpointing. Experimental: correct on CPU (tested), not yet measured on a GPU.
         loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
             up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
             Kimi-K2.5's; default: on for offline training on CUDA with loader workers and without --dist fsdp).
@@ -980,6 +988,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
         if working and fsdp:
             raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
                             "itself); drop the flag")  # fmt: skip
+        if a["deferred_wgrad"] and (not working or a["gradient_checkpointing"]):
+            raise EyasError("--deferred-wgrad needs working weights and no --gradient-checkpointing (a recomputed "
+                            "layer would use each weight again); drop one of them")  # fmt: skip
         if working:
             # lm_head: the fused loss casts it once per micro-batch; fc runs once per forward, so a copy kept
             # between steps would only hold memory (0.3 GiB at Kimi-K2.5 dims)
@@ -1002,7 +1013,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
                     schedule=a["schedule"], weight_decay=a["weight_decay"], clip=a["clip"], seed=a["seed"],
                     optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
                     save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
-                    max_steps=a["max_steps"], profile_every=a["profile_every"])  # fmt: skip
+                    max_steps=a["max_steps"], profile_every=a["profile_every"],
+                    deferred_wgrad=a["deferred_wgrad"])  # fmt: skip
         trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
                           verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
                           rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,

@@ -105,14 +105,15 @@ def test_gradient_checkpointing_compiled_flex_equals_stored():
         _close([got[1][name]], [ref[1][name]], f"grad {name}")
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_working_weights_compiled_equal_autocast(checkpointing):
+@pytest.mark.parametrize("mode", ["plain", "checkpointing", "deferred"])
+def test_working_weights_compiled_equal_autocast(mode):
     """Training's working weights (bf16 copies cast once, fp32 weight gradients accumulated by the matmuls),
     compiled, against plain autocast: the same outputs and gradients within bf16 tolerance; and both against an
-    fp64 run, where the working weights' gradients must be at least as close as autocast's (fp32 accumulation)."""
+    fp64 run, where the working weights' gradients must be at least as close as autocast's (fp32 accumulation).
+    deferred: each layer weight's gradient summed over the TTT steps by its matmuls (--deferred-wgrad)."""
     import copy
 
-    from eyas.precision import use_working_weights
+    from eyas.precision import begin_deferred_wgrad, use_working_weights
     from eyas.train import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
@@ -122,8 +123,10 @@ def test_working_weights_compiled_equal_autocast(checkpointing):
     exact = copy.deepcopy(model).double()
     use_working_weights(model, torch.bfloat16, skip=(model.lm_head,))
     compile_draft(model)
-    model.gradient_checkpointing = checkpointing
+    model.gradient_checkpointing = mode == "checkpointing"
     for _ in range(2):
+        if mode == "deferred":
+            assert begin_deferred_wgrad(model, uses=3, lead_shape=tuple(ids.shape)) == 7
         got = _run(model, ids, aux, doc, steps=3)
     _close(got[0], ref[0], "outputs")
     exact.attn_implementation = "sdpa"
