@@ -90,6 +90,17 @@ class _DeferredLinear(torch.autograd.Function):
         return g @ working, None, g
 
 
+_zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One zero scalar per dtype and device, viewed by every sink (no fill kernel per use)."""
+    key = (dtype, device)
+    if key not in _zeros:
+        _zeros[key] = torch.zeros((), dtype=dtype, device=device)
+    return _zeros[key]
+
+
 class _DeferredGrad:
     """One weight's deferred gradient over one forward's uses: each use's input, kept by the layer's forward,
     and the fp32 sum its sinks build in backward. One object per weight for the whole run (a compiled region
@@ -128,7 +139,8 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, state: _DeferredGrad) -> torch.Tensor:
         ctx.state = state
-        return torch.zeros((), dtype=weight.dtype, device=weight.device)
+        ctx.set_materialize_grads(False)  # the sinks send no gradient back: no zeros to make for nothing
+        return _zero(weight.dtype, weight.device).view(())
 
     @staticmethod
     def backward(ctx, _zero: torch.Tensor):
@@ -143,7 +155,7 @@ class _Sink(torch.autograd.Function):
     def forward(ctx, anchor: torch.Tensor, state: _DeferredGrad, use: int, shape: tuple[int, ...],
                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         ctx.state, ctx.use, ctx.w_dtype = state, use, anchor.dtype
-        return torch.zeros((), dtype=dtype, device=anchor.device).expand(shape)  # stride 0: nothing to read
+        return _zero(dtype, anchor.device).expand(shape)  # stride 0: nothing to read
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
