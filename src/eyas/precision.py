@@ -143,7 +143,7 @@ class _Collect(torch.autograd.Function):
         return _zero(weight.dtype, weight.device).view(())
 
     @staticmethod
-    def backward(ctx, _zero: torch.Tensor):
+    def backward(ctx, _unused: torch.Tensor | None):
         return ctx.state.finish(), None
 
 
