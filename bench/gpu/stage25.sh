@@ -19,13 +19,13 @@ if [ "$1" = pairs ]; then
     run s_llama_$i timeout 160 python3 bench/speculators_train.py $W --preset llama8b --steps 40 --mode matched
   done
   run e_llama_3 timeout 80 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M
+  run attention timeout 50 python3 bench/attention_kernel.py
 else
-  run gpu_tests timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex.py -k working_weights
+  run gpu_tests timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex.py -k working_weights
   run e_kimi timeout 100 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M
-  run e_kimi_deferred timeout 90 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --deferred-wgrad
+  run e_kimi_deferred timeout 100 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --deferred-wgrad
   run e_llama_deferred timeout 80 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M --deferred-wgrad
   run e_kimi_ckpt timeout 110 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --gradient-checkpointing
-  run attention timeout 60 python3 bench/attention_kernel.py
 fi
 cd $OUT && cat *.jsonl > results.jsonl && for f in *.err; do echo "=== $f"; tail -c 2500 $f; done > errs.txt
 rm -f *.err $(ls *.jsonl | grep -v results.jsonl); cat status.txt
