@@ -170,3 +170,28 @@ def test_deferred_weight_gradients_compiled_equal_eager():
         torch.testing.assert_close(g_work[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=name)
     with torch._dynamo.config.patch(error_on_recompile=True):
         _deferred_grads(work, _micro_batches(2)[1:])
+
+
+def test_deferred_weight_gradients_bf16_working_copies_equal_per_use():
+    """bf16 working copies and fp32 masters (the GPU's dtypes; on CPU each bf16 product is rounded before the
+    fp32 sum on both paths): deferred and per-use weight gradients are identical eager; compiled they agree to
+    bf16 rounding (the deferred graph materialises other bf16 intermediates than the per-use one)."""
+    from eyas.train import compile_draft
+
+    for compiled in (False, True):
+        ref = _draft()
+        work = copy.deepcopy(ref)
+        for m in (ref, work):
+            use_working_weights(m, torch.bfloat16, skip=(m.lm_head,), cast_per_call=(m.fc,))
+            if compiled:
+                compile_draft(m)
+        batches = [(ids, aux.float()) for ids, aux in _micro_batches(1)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as training runs it (the head stays fp32 here)
+            g_ref, g_work = _grads(ref, batches), _deferred_grads(work, batches)
+        for name in g_ref:
+            assert g_work[name].dtype == torch.float32, name
+            if compiled:
+                err = float((g_work[name] - g_ref[name]).norm() / g_ref[name].norm().clamp(min=1e-12))
+                assert err < 1e-2, (name, err)
+            else:
+                torch.testing.assert_close(g_work[name], g_ref[name], rtol=0, atol=0, msg=name)
