@@ -596,7 +596,8 @@ class Eagle3Draft(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(F.pad(input_ids, (0, steps)))  # [B, T + steps, H]
         offsets = torch.arange(steps, device=position_ids.device)[:, None, None]  # [steps, 1, 1]
-        cos, sin = self.rotary_emb(hidden, position_ids + offsets)  # [steps, B, T, head_dim] each
+        positions = position_ids + offsets  # [steps, B, T]: step k at position pos_t + k
+        cos, sin = self.rotary_emb(hidden, positions)  # [steps, B, T, head_dim] each
         outputs = []
         for k in range(steps):
             # [B, T, H]: x_{t+1+k}; a contiguous copy, as a per-step lookup wrote: a compiled layer fed the strided
@@ -607,7 +608,7 @@ class Eagle3Draft(nn.Module):
                 context.begin(k)
                 return self.step(None, hidden, positions, context, inputs_embeds=embeds, position_embeddings=(cos, sin))
 
-            args = (hidden, position_ids + k, embeds, cos[k], sin[k])
+            args = (hidden, positions[k], embeds, cos[k], sin[k])
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
