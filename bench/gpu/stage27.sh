@@ -9,10 +9,10 @@ source bench/gpu/common.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .carry/whl-min/*.whl
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"
 if [ "$1" = deferred ]; then
-  run gpu_tests timeout 110 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex.py -k "working_weights and deferred"
-  run e_kimi timeout 170 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M
+  run gpu_tests timeout 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex.py -k "working_weights and deferred"
+  run e_kimi timeout 200 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M
   run e_kimi_deferred timeout 150 python3 bench/train_throughput.py $W --preset kimi --steps 24 $M --deferred-wgrad
-  run e_llama_deferred timeout 130 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M --deferred-wgrad
+  run e_llama_deferred timeout 120 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M --deferred-wgrad
 else
   run s_llama_1 timeout 180 python3 bench/speculators_train.py $W --preset llama8b --steps 40 --mode matched
   run e_llama_1 timeout 110 python3 bench/train_throughput.py $W --preset llama8b --steps 40 $M
