@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log-freq", type=int, default=10)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "eyas-bench")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--keep-output", action="store_true",
+                   help="keep the run's checkpoints (by default removed after the measurement: a run of real dims "
+                        "writes GiBs, and a GPU machine's disk filled up in the eighth session)")  # fmt: skip
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.steps, a.seq_len = "smoke", 6, 64
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
         assert int(item["loss_mask"].sum()) == a.seq_len - min(64, a.seq_len // 8)
         result["dry_run_checkpoint"] = sorted(p.name for p in (out / "checkpoints").iterdir())
         result["dataset_row_ok"] = True
+    if not a.keep_output:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
     print(json.dumps(result))
     return result
 

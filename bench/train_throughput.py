@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--working-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 working copies cast once per step, fp32 weight gradients from the matmuls (default: on)")
-    p.add_argument("--deferred-wgrad", action="store_true",
-                   help="each layer weight's gradient accumulated over the TTT steps by its matmuls (experimental)")
+    p.add_argument("--keep-output", action="store_true",
+                   help="keep the run's draft and checkpoints (by default removed after the measurement: a run of "
+                        "real dims writes GiBs, and a GPU machine's disk filled up in the eighth session)")  # fmt: skip
+    p.add_argument("--deferred-wgrad", action=argparse.BooleanOptionalAction, default=None,
+                   help="each layer weight's gradient accumulated over the TTT steps by its matmuls (default: on "
+                        "with working weights and without --gradient-checkpointing)")
     p.add_argument("--loader-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
@@ -120,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_step": batch * world,
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
         "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
-        "gradient_checkpointing": a.gradient_checkpointing, "working_weights": a.working_weights, "loader_embeddings": a.loader_embeddings,
-        "deferred_wgrad": a.deferred_wgrad, "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
+        "gradient_checkpointing": a.gradient_checkpointing, "working_weights": res["working_weights"],
+        "loader_embeddings": res["loader_embeddings"], "deferred_wgrad": res["deferred_wgrad"], "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
         "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
         "peak_memory_gib": round(max(res["peak_memory_bytes"], memory.pop("run_peak")[0] if memory else 0) / 2**30, 2)
         if "peak_memory_bytes" in res else None,
@@ -131,6 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
     }  # fmt: skip
     if rank == 0:
+        if not a.keep_output:
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
         print(json.dumps(result))
     return result
 

@@ -29,6 +29,8 @@ def test_bench_smoke(tmp_path, script, extra):
         assert run["bf16"]["loop_tokens_per_s"] >= run["bf16"]["tokens_per_s"]
     else:
         assert result["steps"] == 6 and result["tokens_per_s"] > 0
+        assert result["deferred_wgrad"] is True  # the default resolved by train() (working weights, no checkpointing)
+        assert not list((tmp_path / "smoke").glob("eyas-*"))  # the run's output removed after the measurement
         assert "torch.profiler" in r.stderr
         lines = r.stderr.splitlines()
         host = json.loads(lines[lines.index("=== what the host dispatches") + 1])

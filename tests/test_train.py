@@ -142,16 +142,19 @@ def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, t
 
 
 def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
-    """--deferred-wgrad (each layer weight's gradient summed over the TTT steps by its matmuls, handed to autograd
-    once) trains the weights of the plain run, over steps with gradient accumulation; with checkpointing it is
-    refused before the first step."""
+    """Deferred weight gradients (the default: each layer weight's gradient summed over the TTT steps by its
+    matmuls, handed to autograd once) train the weights of the per-use run (--no-deferred-wgrad), over steps with
+    gradient accumulation; with checkpointing the default turns them off and asking for them is refused before
+    the first step."""
     kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=3,
               val_ratio=0.2, **{**COMMON, "grad_accum": 2})  # fmt: skip
-    train(out=str(tmp_path / "plain"), **kw)
-    train(out=str(tmp_path / "deferred"), deferred_wgrad=True, **kw)
+    assert not train(out=str(tmp_path / "plain"), deferred_wgrad=False, **kw)["deferred_wgrad"]
+    assert train(out=str(tmp_path / "deferred"), **kw)["deferred_wgrad"]
     a, b = _final_state(tmp_path / "plain"), _final_state(tmp_path / "deferred")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+    res = train(out=str(tmp_path / "ckpt"), gradient_checkpointing=True, **{**kw, "max_steps": 1})
+    assert not res["deferred_wgrad"]
     with pytest.raises(EyasError, match="--deferred-wgrad needs working weights and no --gradient-checkpointing"):
         train(out=str(tmp_path / "refused"), deferred_wgrad=True, gradient_checkpointing=True, **kw)
 
@@ -274,6 +277,36 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
     for ckpt in checkpoint_dirs(out):
         state = torch.load(ckpt / STATE_FILE, weights_only=True)["model"]
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_failed_checkpoint_write_keeps_the_last_one_and_resumes(inputs, tmp_path, monkeypatch):
+    """The third checkpoint's write fails as a full disk fails torch.save (its zip writer raises RuntimeError):
+    a clear error naming the checkpoint and the free space, nothing half-written beside the complete ones, and the
+    same command then resumes from the newest complete checkpoint."""
+    import eyas.train as train_mod
+
+    args = dict(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], out=str(tmp_path / "run"),
+                epochs=1, max_steps=4, val_ratio=0.0, save_every=1, **COMMON)  # fmt: skip
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 3:
+            real_save(obj, f, *a, **kw)  # the bytes reach the file, then the writer fails at its end
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 705083904 vs 705083792")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(train_mod.torch, "save", failing_save)
+    with pytest.raises(EyasError, match=r"writing checkpoint .*step-00000003 failed .* GiB free .*step-00000002"):
+        train(**args)
+    monkeypatch.setattr(train_mod.torch, "save", real_save)
+    out = tmp_path / "run"
+    assert [p.name for p in checkpoint_dirs(out)] == ["step-00000001", "step-00000002"]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary left
+    res = train(**args)
+    assert res["steps"] == 4 and checkpoint_dirs(out)[-1].name == "step-00000004"
+    steps = [r["step"] for r in _records(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == 4  # no record written twice across the resume
 
 
 def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):

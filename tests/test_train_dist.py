@@ -40,12 +40,12 @@ def features(make_tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(features, tmp_path_factory):
-    """The reference: one process, two micro-batches per step."""
+    """The reference: one process, two micro-batches per step, each weight gradient formed per use by autograd."""
     verifier, feats = features
     out = tmp_path_factory.mktemp("one") / "run"
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    train(verifier=verifier, data=feats, out=str(out), grad_accum=2, **ARGS)
+    train(verifier=verifier, data=feats, out=str(out), grad_accum=2, deferred_wgrad=False, **ARGS)
     torch.set_num_threads(old)
     return out
 
@@ -54,21 +54,21 @@ def _log(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp-deferred", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "ddp-per-use", "fsdp"])
 def test_two_ranks_equal_one_process(features, one_process, tmp_path, mode):
-    """ddp-deferred: DDP with deferred weight gradients, whose sum reaches each weight once per backward (DDP's
-    hooks fire once) against the plain one-process reference."""
+    """ddp: with deferred weight gradients (the default), whose sum reaches each weight once per backward (DDP's
+    hooks fire once), against the per-use one-process reference; ddp-per-use: without them."""
     verifier, feats = features
     out = tmp_path / mode
-    mode, deferred = mode.removesuffix("-deferred"), mode.endswith("-deferred")
+    mode, per_use = mode.removesuffix("-per-use"), mode.endswith("-per-use")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
            "train", "--verifier", verifier, "--data", feats, "--out", str(out), "--grad-accum", "1", "--dist", mode,
            *flags]  # fmt: skip
     if mode == "ddp":  # the embedding looked up by the loader: DDP must leave the frozen table out of its checks
         cmd.append("--loader-embeddings")
-    if deferred:
-        cmd.append("--deferred-wgrad")
+    if per_use:
+        cmd.append("--no-deferred-wgrad")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-6000:]

@@ -578,9 +578,19 @@ class Trainer:
         }
         self.saved_step = self.global_step
         path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
-        with atomic_path(path, is_dir=True) as tmp:
-            save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
-            torch.save(state, tmp / STATE_FILE)
+        try:
+            with atomic_path(path, is_dir=True) as tmp:
+                save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
+                torch.save(state, tmp / STATE_FILE)
+        except (OSError, RuntimeError) as e:  # a full disk reaches torch.save as a RuntimeError from its zip writer
+            import shutil
+
+            free = shutil.disk_usage(self.out).free / 2**30
+            kept = checkpoint_dirs(self.out)
+            raise EyasError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {free:.1f} GiB free on its "
+                            f"disk. Nothing half-written was left; "
+                            + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
+                            + "free space (or lower --keep-checkpoints) and rerun the same command to resume") from e  # fmt: skip
         for old in checkpoint_dirs(self.out)[: -max(1, self.o.keep_checkpoints)]:
             import shutil
 
@@ -754,7 +764,7 @@ def train(
     compile: bool | None = None,
     gradient_checkpointing: bool = False,
     working_weights: bool | None = None,
-    deferred_wgrad: bool = False,
+    deferred_wgrad: bool | None = None,
     loader_embeddings: bool | None = None,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
@@ -810,8 +820,9 @@ def train(
             gradients coming out of their matmuls in fp32 (default: on, except under --dist fsdp, which casts
             its gathered shards itself).
         deferred_wgrad: with working weights, accumulate each layer weight's gradient over the TTT steps in one
-            fp32 buffer by its matmuls, handing autograd the sum once (no per-step gradient and add); not with
-            --gradient-checkpointing. Experimental: correct on CPU (tested), not yet measured on a GPU.
+            fp32 buffer by its matmuls, handing autograd the sum once instead of forming one gradient per step and
+            adding them (2 GiB less peak at Kimi-K2.5 dims; default: on with working weights and without
+            --gradient-checkpointing, whose recomputed layer would use each weight again).
         loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
             up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
             Kimi-K2.5's; default: on for offline training on CUDA with loader workers and without --dist fsdp).
@@ -988,7 +999,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
         if working and fsdp:
             raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
                             "itself); drop the flag")  # fmt: skip
-        if a["deferred_wgrad"] and (not working or a["gradient_checkpointing"]):
+        deferred = a["deferred_wgrad"] if a["deferred_wgrad"] is not None else \
+            working and not a["gradient_checkpointing"]  # fmt: skip
+        if deferred and (not working or a["gradient_checkpointing"]):
             raise EyasError("--deferred-wgrad needs working weights and no --gradient-checkpointing (a recomputed "
                             "layer would use each weight again); drop one of them")  # fmt: skip
         if working:
@@ -1014,7 +1027,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
                     optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
                     save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
                     max_steps=a["max_steps"], profile_every=a["profile_every"],
-                    deferred_wgrad=a["deferred_wgrad"])  # fmt: skip
+                    deferred_wgrad=deferred)  # fmt: skip
         trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
                           verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
                           rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,
@@ -1030,6 +1043,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
                   + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
                   + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
         result = trainer.run()
+        # what the defaults resolved to on this machine (the settings record what was asked for)
+        result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host)
         state = trainer.final_state()
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
