@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -583,17 +584,14 @@ class Trainer:
                 save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
                 torch.save(state, tmp / STATE_FILE)
         except (OSError, RuntimeError) as e:  # a full disk reaches torch.save as a RuntimeError from its zip writer
-            import shutil
-
             free = shutil.disk_usage(self.out).free / 2**30
             kept = checkpoint_dirs(self.out)
             raise EyasError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {free:.1f} GiB free on its "
-                            f"disk. Nothing half-written was left; "
+                            "disk. Nothing half-written was left; "
                             + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
-                            + "free space (or lower --keep-checkpoints) and rerun the same command to resume") from e  # fmt: skip
+                            + "free space (or lower --keep-checkpoints) and rerun the same command to resume"
+                            ) from e  # fmt: skip
         for old in checkpoint_dirs(self.out)[: -max(1, self.o.keep_checkpoints)]:
-            import shutil
-
             shutil.rmtree(old)
         self.d.barrier("checkpoint")
 
@@ -952,8 +950,6 @@ def _train(d, **a: Any) -> dict[str, Any]:
         if d.is_main:
             stack.enter_context(OutputLock(out))
             for tmp in (out / CHECKPOINTS).glob(".step-*"):  # left by a killed run; the lock says none is alive
-                import shutil
-
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         d.barrier("output directory")
 
