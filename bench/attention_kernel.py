@@ -27,6 +27,7 @@ FLEX_VARIANTS = {
     "flex": {},
     "flex-tma": {"USE_TMA": True},
     "flex-rows-safe": {"ROWS_GUARANTEED_SAFE": True},  # every TTT query sees at least its own position
+    "flex-strided": {},  # q as training makes it: a [B, T, h, d] projection seen as [B, h, T, d]
 }
 
 
@@ -91,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
                     torch._dynamo.reset()  # each variant its own graphs (one code object: one cache, 8 entries)
                     fn = torch.compile(flex_attention, dynamic=False)
 
-                    def fwd(fn=fn, opts=opts):
-                        return fn(q, keys, values, block_mask=mask, enable_gqa=heads > kv,
+                    qs = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(cuda)
+                    qv = qs if variant == "flex-strided" else q
+
+                    def fwd(fn=fn, opts=opts, qv=qv):
+                        return fn(qv, keys, values, block_mask=mask, enable_gqa=heads > kv,
                                   kernel_options=opts or None)  # fmt: skip
 
                     flop = fwd_flop
