@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	rm -rf $(SPECULATORS)
 	$(PY) -m pip install -q --no-deps --target $(SPECULATORS) speculators==0.9.0 hs-connectors==0.9.0 \
 		transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3
+	# Triton, for its interpreter: tests/test_precision.py runs eyas' fused AdamW kernel on CPU tensors in a
+	# child process with this dir on its path (torch itself never imports Triton without a GPU).
+	rm -rf $(VENV)/triton-3.6.0
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-3.6.0 triton==3.6.0
 	touch $(STAMP)
 
 demo: setup

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--loader-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--torch-adamw", action="store_true",
+                   help="A/B: torch's fused AdamW step and a separate working-copy refresh (eyas before the ninth "
+                        "session) instead of eyas' Triton step")  # fmt: skip
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--dist", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     p.add_argument("--log-every", type=int, default=10)
@@ -85,6 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
     from eyas.train import train
 
     import os
+
+    if a.torch_adamw:  # FusedAdamW falls back to torch's step where its kernel does not apply; make that everywhere
+        from eyas.precision import FusedAdamW
+
+        FusedAdamW._fast = lambda self: False
 
     batch = a.batch_tokens or a.seq_len
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
         "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
         "gradient_checkpointing": a.gradient_checkpointing, "working_weights": res["working_weights"],
-        "loader_embeddings": res["loader_embeddings"], "deferred_wgrad": res["deferred_wgrad"], "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
+        "loader_embeddings": res["loader_embeddings"], "deferred_wgrad": res["deferred_wgrad"],
+        "adamw": "torch" if a.torch_adamw else "eyas", "memory": memory, "steps": res["steps"], "tokens_per_s": round(tps, 1),
         "step_ms": round(1e3 * batch * world / tps, 2) if tps else None, "ms_per_step_profiled": res.get("ms_per_step"),
         "peak_memory_gib": round(max(res["peak_memory_bytes"], memory.pop("run_peak")[0] if memory else 0) / 2**30, 2)
         if "peak_memory_bytes" in res else None,

@@ -53,5 +53,11 @@ def test_loss_kernel_variants_equal_fp64(tmp_path):
 
 def test_attention_kernel_smoke(tmp_path):
     rows = _json_lines([str(BENCH / "attention_kernel.py"), "--smoke"], tmp_path)
-    assert [r["variant"] for r in rows] == ["flex", "flex-tma", "flex-rows-safe"]
+    assert [r["variant"] for r in rows] == ["flex", "flex-tma", "flex-rows-safe", "flex-strided"]
     assert all("error" not in r and r["fwd_ms"] > 0 for r in rows), rows
+
+
+def test_adamw_kernel_smoke(tmp_path):
+    rows = _json_lines([str(BENCH / "adamw_kernel.py"), "--smoke"], tmp_path)
+    assert [r["variant"] for r in rows] == ["torch-fused+refresh", "eyas-fused"]
+    assert all(r["ms"] > 0 and r["params"] == 57600 for r in rows), rows

@@ -4,6 +4,11 @@ clip folded into the fused AdamW against ``clip_grad_norm_``."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +200,73 @@ def test_deferred_weight_gradients_bf16_working_copies_equal_per_use():
                 assert err < 1e-2, (name, err)
             else:
                 torch.testing.assert_close(g_work[name], g_ref[name], rtol=0, atol=0, msg=name)
+
+
+def _fused_adamw_run(monkeypatch, *, interpret: bool):
+    """Three steps of FusedAdamW over a draft with bf16 working copies (two groups, a changed lr, the clip as
+    grad_scale), beside torch's AdamW on an identical copy; returns both."""
+    from eyas.precision import FusedAdamW
+    from eyas.train import build_optimizers
+
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ours = _draft()
+    use_working_weights(ours, torch.bfloat16, skip=(ours.lm_head,), cast_per_call=(ours.fc,))
+    ref = copy.deepcopy(ours)
+    (opt,) = build_optimizers(ours, name="adamw", lr=3e-3, weight_decay=0.1, fused=True)
+    assert isinstance(opt, FusedAdamW) and opt.attach_working(ours) == 7
+    (ref_opt,) = build_optimizers(ref, name="adamw", lr=3e-3, weight_decay=0.1, fused=False)
+    g = torch.Generator().manual_seed(5)
+    for step, scale in enumerate((30.0, 0.01, 30.0)):
+        for (_, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+            if p.requires_grad:
+                p.grad = scale * torch.randn(p.shape, generator=g)
+                q.grad = p.grad.clone()
+        for o in (opt, ref_opt):
+            for grp in o.param_groups:
+                grp["lr"] = 3e-3 * (step + 1) / 3  # a warmup schedule moves lr between steps
+        clip_gradients([p for p in ours.parameters() if p.requires_grad], [opt], 1.0)
+        torch.nn.utils.clip_grad_norm_([q for q in ref.parameters() if q.requires_grad], 1.0)
+        opt.step()
+        ref_opt.step()
+    return ours, opt, ref, ref_opt
+
+
+# `make setup` installs Triton (for its interpreter: the kernel runs on CPU tensors) in a dir of its own, which
+# only a child process puts on its path: torch in this process never sees Triton without a GPU.
+TRITON_DIR = Path(sys.prefix) / "triton-3.6.0"
+
+
+def test_fused_adamw_kernel_equals_torch_adamw_and_writes_the_working_copies(monkeypatch, request):
+    if importlib.util.find_spec("triton") is None:
+        if not TRITON_DIR.is_dir():
+            pytest.skip(f"Triton is not installed ({TRITON_DIR}: `make setup` puts it there)")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON_DIR), os.environ.get("PYTHONPATH")]))}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                           cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+        return
+    ours, opt, ref, ref_opt = _fused_adamw_run(monkeypatch, interpret=True)
+    for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+        if p.requires_grad:
+            s, r = opt.state[p], ref_opt.state[q]
+            assert float(s["step"]) == float(r["step"]) == 3.0
+            torch.testing.assert_close(s["exp_avg"], r["exp_avg"], rtol=1e-5, atol=1e-9, msg=n)
+            torch.testing.assert_close(s["exp_avg_sq"], r["exp_avg_sq"], rtol=1e-5, atol=1e-12, msg=n)
+    for m in ours.modules():
+        if isinstance(m, WorkingLinear) and m.keep_working:  # written by the kernel, and refresh knows it
+            # Triton's interpreter truncates to bf16 where the GPU rounds to nearest even (tests/gpu: exact)
+            torch.testing.assert_close(m._working.float(), m.weight.detach(), rtol=2**-7, atol=0)
+            assert m._working_key == (m.weight._version, m.weight.data_ptr(), m.weight.device)
+    # the same state dict as torch's: each optimizer resumes from the other's
+    fresh = copy.deepcopy(ref_opt.state_dict())
+    opt.load_state_dict(fresh)
+    assert torch.equal(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"], fresh["state"][0]["exp_avg"])
+
+
+def test_fused_adamw_without_triton_is_torch_fused_adamw(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # on CPU: torch's fused step
+    ours, opt, ref, _ = _fused_adamw_run(monkeypatch, interpret=False)
+    for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)

@@ -28,6 +28,9 @@ an H200, eighth session: 2.0 GiB less peak at Kimi-K2.5 dims, 0.97 GiB at Llama-
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -263,3 +266,125 @@ def end_deferred_wgrad(module: nn.Module) -> None:
         if isinstance(m, WorkingLinear) and m.keep_working:
             m._sinks.clear()
             m._use = 0
+
+
+# --------------------------------------------------------------------------- the optimizer step
+
+
+_adamw_kernel = None
+
+
+def _triton_adamw():
+    """The Triton kernel of :class:`FusedAdamW`, built on first use (Triton is only imported on CUDA)."""
+    global _adamw_kernel
+    if _adamw_kernel is not None:
+        return _adamw_kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, log2_beta1,
+              log2_beta2, eps, weight_decay, HAS_WORKING: tl.constexpr, HAS_SCALE: tl.constexpr,
+              BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if HAS_SCALE:  # the clip factor (clip_gradients), as torch's fused kernel divides by grad_scale
+            g = g / tl.load(scale_ptr)
+        step = tl.load(step_ptr)  # already counted for this step, as torch keeps it: a float32 on the device
+        p = p - lr * weight_decay * p  # decoupled weight decay (Loshchilov & Hutter 2019), before the update
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bias1 = 1.0 - tl.exp2(step * log2_beta1)  # 1 - beta1^step
+        bias2 = 1.0 - tl.exp2(step * log2_beta2)
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_WORKING:
+            tl.store(w_ptr + offs, p.to(w_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    _adamw_kernel = adamw
+    return adamw
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW, whose CUDA step also writes each weight's working copy: one Triton kernel per
+    parameter reads the fp32 weight, gradient and moments once and writes the weight, the moments and the bf16
+    working copy (:class:`WorkingLinear`), where torch's fused step and the copies' refresh read the updated
+    weights a second time (3.5 GB a step at Kimi-K2.5 draft dims). The same update as torch's (decoupled weight
+    decay, bias corrections from the step count kept on the device, gradients divided by ``grad_scale`` as
+    :func:`eyas.train.clip_gradients` sets it), the same state and state dict, so checkpoints of either resume in
+    the other. Elsewhere (CPU, Triton missing, ``amsgrad``/``maximize``) it is torch's step."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **{**kwargs, "fused": True})
+        self._working: dict[int, WorkingLinear] = {}
+
+    def attach_working(self, module: nn.Module) -> int:
+        """Write the working copies of ``module``'s kept-copy :class:`WorkingLinear` layers at each step;
+        returns how many."""
+        self._working = {id(m.weight): m for m in module.modules() if isinstance(m, WorkingLinear) and m.keep_working}
+        return len(self._working)
+
+    def _fast(self) -> bool:
+        ps = [p for g in self.param_groups for p in g["params"]]
+        # under Triton's interpreter (TRITON_INTERPRET=1) the kernel runs on CPU tensors too: the CPU tests use it
+        anywhere = os.environ.get("TRITON_INTERPRET") == "1"
+        if not ps or not all((p.is_cuda or anywhere) and p.dtype == torch.float32 and p.is_contiguous() for p in ps):
+            return False
+        if any(g["amsgrad"] or g["maximize"] or g["differentiable"] or torch.is_tensor(g["lr"]) for g in self.param_groups):
+            return False
+        try:
+            _triton_adamw()
+        except ImportError:
+            return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None or not self._fast():
+            return super().step(closure)
+        kernel = _triton_adamw()
+        scale = getattr(self, "grad_scale", None)
+        work = []  # (param, grad, state, group)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # torch's fused AdamW's initial state
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                work.append((p, p.grad, state, group))
+        if not work:
+            return None
+        torch._foreach_add_([s["step"] for _, _, s, _ in work], 1.0)
+        BLOCK = 4096
+        for p, g, state, group in work:
+            if not g.is_contiguous():
+                g = g.contiguous()
+            lin = self._working.get(id(p))
+            w = lin._working if lin is not None else None
+            has_w = w is not None and w.dtype != p.dtype and w.shape == p.shape and w.is_contiguous() \
+                and w.device == p.device  # fmt: skip
+            beta1, beta2 = group["betas"]
+            n = p.numel()
+            kernel[(triton_cdiv(n, BLOCK),)](
+                p, g, state["exp_avg"], state["exp_avg_sq"], w if has_w else p, state["step"],
+                scale if scale is not None else state["step"], n, float(group["lr"]), beta1, beta2,
+                math.log2(beta1), math.log2(beta2), group["eps"], group["weight_decay"],
+                HAS_WORKING=has_w, HAS_SCALE=scale is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+            # the kernel wrote through raw pointers: count the in-place update as torch's own step does
+            torch.autograd.graph.increment_version(p)
+            if has_w:  # the copy is the new weights': its refresh has nothing to do until the master moves again
+                lin._working_key = (p._version, p.data_ptr(), p.device)
+        return None
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -36,7 +36,7 @@ from torch import nn
 from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
 from eyas.errors import EyasError
 from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
-from eyas.precision import begin_deferred_wgrad, refresh_working_weights, use_working_weights
+from eyas.precision import FusedAdamW, begin_deferred_wgrad, refresh_working_weights, use_working_weights
 
 STAGE = "train"
 CHECKPOINTS = "checkpoints"
@@ -102,18 +102,20 @@ def build_optimizers(model: nn.Module, *, name: str, lr: float, weight_decay: fl
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.ndim >= 2]
     no_decay = [p for n, p in params if p.ndim < 2]
-    adamw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}))
+    adamw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    # fused: torch's fused AdamW on CPU, one Triton kernel per weight on CUDA that also writes its working copy
+    AdamW = FusedAdamW if fused else torch.optim.AdamW
     if name == "adamw":
-        return [torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], **adamw)]  # fmt: skip
+        return [AdamW([{"params": decay, "weight_decay": weight_decay},
+                       {"params": no_decay, "weight_decay": 0.0}], **adamw)]  # fmt: skip
     if not hasattr(torch.optim, "Muon"):
         raise EyasError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
     muon = [p for n, p in params if p.ndim == 2 and "lm_head" not in n]
     rest = [p for n, p in params if not (p.ndim == 2 and "lm_head" not in n)]
     # speculators 0.9's Muon defaults (train/config/schema.py): momentum 0.95, decay 0.1, lr adjusted to AdamW's RMS.
     return [torch.optim.Muon(muon, lr=lr, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay},
-                               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}], **adamw)]  # fmt: skip
+            AdamW([{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay},
+                   {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}], **adamw)]  # fmt: skip
 
 
 def clip_gradients(params: list[torch.Tensor], optimizers: list, max_norm: float) -> torch.Tensor:
@@ -380,6 +382,9 @@ class Trainer:
         self.model, self.loss_factor = self._parallelize(objective, dist_mode)
         self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
                                            fused=not (self.d.active and dist_mode == "fsdp"))  # fmt: skip
+        for opt in self.optimizers:
+            if isinstance(opt, FusedAdamW):
+                opt.attach_working(draft)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.meter = Meter(o.ttt_steps, device)

@@ -216,3 +216,43 @@ def test_loader_embeddings_keep_the_table_off_the_device(tmp_path, monkeypatch):
     saved = runs[False]["peak_memory_bytes"] - runs[True]["peak_memory_bytes"]
     assert saved > 0.75 * table, f"peak {runs[False]['peak_memory_bytes']} vs {runs[True]['peak_memory_bytes']}"
     assert runs[True]["train"]["loss_total"] == pytest.approx(runs[False]["train"]["loss_total"], rel=1e-2)
+
+
+def test_fused_adamw_kernel_equals_torch_fused_adamw():
+    """eyas' Triton AdamW step (which also writes the bf16 working copies) against torch's fused CUDA AdamW on an
+    identical copy: five steps with weight decay on one group, the clip as grad_scale, a moving lr."""
+    import copy
+
+    from eyas.precision import FusedAdamW, WorkingLinear, use_working_weights
+    from eyas.train import build_optimizers, clip_gradients
+
+    ours = _draft("flex")
+    use_working_weights(ours, torch.bfloat16, skip=(ours.lm_head,), cast_per_call=(ours.fc,))
+    ref = copy.deepcopy(ours)
+    (opt,) = build_optimizers(ours, name="adamw", lr=1e-3, weight_decay=0.1, fused=True)
+    assert isinstance(opt, FusedAdamW) and opt.attach_working(ours) == 7 and opt._fast()
+    ref_opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in [
+        {"params": [q for q in ref.parameters() if q.requires_grad and q.ndim >= 2], "weight_decay": 0.1},
+        {"params": [q for q in ref.parameters() if q.requires_grad and q.ndim < 2], "weight_decay": 0.0}]],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(5):
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            if p.requires_grad:
+                p.grad = (10.0 if step % 2 else 0.001) * torch.randn(p.shape, generator=g, device="cuda")
+                q.grad = p.grad.clone()
+        for o in (opt, ref_opt):
+            for grp in o.param_groups:
+                grp["lr"] = 1e-3 * (step + 1) / 5
+        clip_gradients([p for p in ours.parameters() if p.requires_grad], [opt], 1.0)
+        clip_gradients([q for q in ref.parameters() if q.requires_grad], [ref_opt], 1.0)
+        opt.step()
+        ref_opt.step()
+    for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+        if p.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-12, msg=n)
+    for m in ours.modules():
+        if isinstance(m, WorkingLinear) and m.keep_working:
+            assert torch.equal(m._working, m.weight.detach().to(torch.bfloat16))
