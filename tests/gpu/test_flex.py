@@ -251,8 +251,10 @@ def test_fused_adamw_kernel_equals_torch_fused_adamw():
     for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
         if p.requires_grad:
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-12, msg=n)
+            # exp_avg may cancel to near zero, where torch's lerp and the kernel's multiply-add differ by an ulp
+            for key, atol in (("exp_avg", 1e-9), ("exp_avg_sq", 1e-12), ("step", 0)):
+                torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=atol,
+                                           msg=lambda m, n=n, key=key: f"{n} {key}: {m}")  # fmt: skip
     for m in ours.modules():
         if isinstance(m, WorkingLinear) and m.keep_working:
             assert torch.equal(m._working, m.weight.detach().to(torch.bfloat16))
