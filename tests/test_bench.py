@@ -61,3 +61,18 @@ def test_adamw_kernel_smoke(tmp_path):
     rows = _json_lines([str(BENCH / "adamw_kernel.py"), "--smoke"], tmp_path)
     assert [r["variant"] for r in rows] == ["torch-fused+refresh", "eyas-fused"]
     assert all(r["ms"] > 0 and r["params"] == 57600 for r in rows), rows
+
+
+def test_scored_positions_counts_prompts_and_padding(tmp_path, make_tiny):
+    """bench/scored_positions.py on hand-made rows: half of each row is prompt, so about half the positions are
+    scored, and with chunks of 16 the loss runs on fewer rows than all."""
+    import tiny
+
+    rows = [(list(range(3, 43)), [0] * 20 + [1] * 20) for _ in range(12)]  # 40 tokens, the last 20 answer
+    prepared = tiny.write_prepared(tmp_path / "prepared", rows, verifier=make_tiny("llama").path)
+    out = _json_lines([str(BENCH / "scored_positions.py"), "--data", str(prepared), "--settings", "64:128",
+                       "--chunks", "16", "1024"], tmp_path)  # fmt: skip
+    by_chunk = {r["chunk"]: r for r in out}
+    assert 0.3 < by_chunk[16]["scored_share"] < 0.5  # 18-20 of each 40-token document, packing padding aside
+    assert by_chunk[16]["scored_share"] <= by_chunk[16]["loss_rows_share"] < 1.0
+    assert by_chunk[1024]["loss_rows_share"] == 1.0  # 128 positions: one chunk either way

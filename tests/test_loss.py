@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from eyas.loss import TargetHead, Targets, implied_tau, step_masks, summarize, ttt_loss
+from eyas.loss import TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, ttt_loss
 
 
 def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
@@ -34,6 +34,23 @@ def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
     return loss, torch.tensor([[float(x) for x in row] for row in stats], dtype=torch.float64)
 
 
+def _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, **loss_kw):
+    """ttt_loss (loss, statistics, gradients) against :func:`_reference` in fp64; returns (stats, gradients)."""
+    loss, stats = ttt_loss(normed, W, Targets(tlogits, tlogits.argmax(-1), in_vocab), valid, scale,
+                           drop_out_of_vocab=drop, compute_dtype=torch.float64, **loss_kw)  # fmt: skip
+    loss.backward()
+    got = [W.grad.clone()] + [h.grad.clone() for h in normed]
+    for t in [W, *normed]:
+        t.grad = None
+    ref_loss, ref_stats = _reference(normed, W, tlogits, valid, scale, in_vocab, tlogits.argmax(-1), drop)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.double(), ref_stats, rtol=1e-12, atol=1e-12)
+    for g, t in zip(got, [W, *normed]):
+        torch.testing.assert_close(g, t.grad, rtol=1e-10, atol=1e-12)
+    return ref_stats, got, ref_loss
+
+
 @pytest.mark.parametrize("drop", [False, True])
 def test_fused_loss_equals_reference_value_and_grads(drop):
     torch.manual_seed(0)
@@ -49,25 +66,49 @@ def test_fused_loss_equals_reference_value_and_grads(drop):
     with torch.no_grad():
         normed[0][:10] = (W[tlogits[1:11].argmax(-1)] * 5)
 
-    loss, stats = ttt_loss(normed, W, targets, valid, scale, drop_out_of_vocab=drop, compute_dtype=torch.float64,
-                           chunk_tokens=5)  # fmt: skip
-    loss.backward()
-    got = [W.grad.clone()] + [h.grad.clone() for h in normed]
-    for t in [W, *normed]:
-        t.grad = None
-    ref_loss, ref_stats = _reference(normed, W, tlogits, valid, scale, in_vocab, tlogits.argmax(-1), drop)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(stats.double(), ref_stats, rtol=1e-12, atol=1e-12)
-    for g, t in zip(got, [W, *normed]):
-        torch.testing.assert_close(g, t.grad, rtol=1e-10, atol=1e-12)
+    ref_stats, _, ref_loss = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, chunk_tokens=5)
     assert ref_stats[0, 3] > 0 and ref_stats[0, 4] > 0  # the accuracy path was exercised
 
     with torch.no_grad():  # no gradient is formed (or needed) without autograd
         loss2, stats2 = ttt_loss(normed, W, targets, valid, scale, drop_out_of_vocab=drop,
                                  compute_dtype=torch.float64, chunk_tokens=7)  # fmt: skip
     torch.testing.assert_close(loss2, ref_loss.detach())
-    torch.testing.assert_close(stats2, stats)
+    torch.testing.assert_close(stats2.double(), ref_stats, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_fused_loss_on_scored_rows_equals_reference(drop):
+    """Scoring only the positions some step scores (prompts and padding skipped) gives the reference's loss,
+    statistics and gradients, every position's included (zero where nothing is scored)."""
+    torch.manual_seed(2)
+    S, B, T, H, N = 3, 2, 29, 8, 11
+    # row 0: a prompt, an answer, a second document's prompt and answer, padding; row 1: one long prompt, answer
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_mask[0, 6:12], loss_mask[0, 19:25], loss_mask[1, 20:] = True, True, True
+    doc = torch.tensor([[0] * 12 + [1] * 13 + [-1] * 4, [0] * T])
+    valid = step_masks(loss_mask, doc, S).flatten(1)  # [S, M]
+    M = B * T
+    rows = scored_rows(loss_mask, doc, S, chunk=5)
+    n = int(valid.any(0).sum())
+    assert rows is not None and rows.numel() % 5 == 0 and rows.numel() < M
+    assert torch.equal(rows[:n], valid.any(0).nonzero().flatten())  # every position some step scores, in order
+    assert torch.equal(rows[n:], torch.arange(M, M + rows.numel() - n))  # then distinct pads past the end
+    W = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    normed = [torch.randn(M, H, dtype=torch.float64, requires_grad=True) for _ in range(S)]
+    tlogits = torch.randn(M + S, N, dtype=torch.float64) * 3
+    in_vocab = torch.rand(M + S) > 0.2
+    with torch.no_grad():  # some right draft argmaxes, so the (conditional) accuracy is exercised
+        normed[0][:] = W[tlogits[1 : M + 1].argmax(-1)] * 5
+        normed[1][::2] = W[tlogits[2 : M + 2 : 2].argmax(-1)] * 5
+    scale = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+    ref_stats, got, _ = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, chunk_tokens=5,
+                                                 rows=rows)  # fmt: skip
+    assert ref_stats[1, 4] > 0 and ref_stats[1, 5] > ref_stats[1, 4]  # conditional accuracy read earlier steps
+    for h in got[1:]:  # nothing reaches a position no step scores
+        assert not h[~valid.any(0)].any()
+    # one document per row, all of it answer: only the last two positions of each row go unscored, which saves no
+    # chunk of T positions (54 scored of 58): no rows, the loss runs on every position as before
+    assert scored_rows(torch.ones(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.long), S, chunk=T) is None
 
 
 @pytest.mark.parametrize("T", [13, 3, 1])  # 3 and 1: shorter than the last step's shift

@@ -159,6 +159,38 @@ def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
         train(out=str(tmp_path / "refused"), deferred_wgrad=True, gradient_checkpointing=True, **kw)
 
 
+def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, monkeypatch):
+    """With small loss chunks the loader hands the loss the positions some TTT step scores (the rows' prompts and
+    the packing padding left out) and training follows the run that scores every position: same weights,
+    validation loss and statistics."""
+    from eyas.loss import _FusedTTTLoss
+
+    seen, apply = [], _FusedTTTLoss.apply
+
+    def spy(*args):  # records each loss call's scored rows (args[7]) against its positions
+        rows, M = args[7], args[8].shape[0]
+        seen.append(None if rows is None else (int((rows < M).sum()), M))
+        return apply(*args)
+
+    monkeypatch.setattr(_FusedTTTLoss, "apply", spy)
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=4,
+              val_ratio=0.2, **{**COMMON, "batch_tokens": 128})  # fmt: skip
+    train(out=str(tmp_path / "all"), loss_chunk_tokens=1024, **kw)  # 128 positions a micro-batch: one chunk
+    assert seen and all(r is None for r in seen)
+    seen.clear()
+    train(out=str(tmp_path / "scored"), loss_chunk_tokens=8, **kw)
+    skipped = [r for r in seen if r is not None]
+    assert len(skipped) >= len(seen) // 2 and all(n < M for n, M in skipped), seen  # prompts and padding left out
+    a, b = _final_state(tmp_path / "all"), _final_state(tmp_path / "scored")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+    va, vb = _records(tmp_path / "all", "val"), _records(tmp_path / "scored", "val")
+    assert va and len(va) == len(vb)
+    for x, y in zip(va, vb):  # the same statistics over the same positions
+        for key in ("loss", "tau", "acc_0", "acc_1", "acc_2", "cond_acc_0", "cond_acc_1"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-9), key
+
+
 def test_loader_embeddings_train_the_same_weights(inputs, tmp_path, monkeypatch):
     """The frozen embedding looked up by the data loader in host memory (the default on CUDA) trains exactly the
     weights of the draft looking it up itself."""

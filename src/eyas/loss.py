@@ -34,6 +34,9 @@ from torch import nn
 
 from eyas.precision import add_matmul
 
+#: Positions per chunk of the fused loss (its kernel is compiled for this one shape).
+CHUNK_TOKENS = 1024
+
 #: Columns of the per-step statistics that :func:`ttt_loss` returns (sums over positions).
 STAT_COLUMNS = ("kl_sum", "kept", "valid", "correct", "cond_correct", "cond_total")
 
@@ -122,32 +125,48 @@ def _chunk_fn(compiled: bool):
 
 
 class _FusedTTTLoss(torch.autograd.Function):
-    """Sum over steps and positions of ``weight * KL``, with the gradient computed chunk by chunk in forward."""
+    """Sum over steps and positions of ``weight * KL``, with the gradient computed chunk by chunk in forward.
+
+    With ``rows`` (:func:`scored_rows`) only those positions are scored: the head, the softmax passes and the
+    gradient run on them alone, and every other position gets zero gradient, zero KL and argmax -1."""
 
     @staticmethod
-    def forward(ctx, lm_head_weight, target_logits, weights, compute_dtype, chunk, compiled, grad, *normed):
+    def forward(ctx, lm_head_weight, target_logits, weights, compute_dtype, chunk, compiled, grad, rows, *normed):
         need_w = grad and ctx.needs_input_grad[0]
-        need_h = grad and any(ctx.needs_input_grad[7:])
+        need_h = grad and any(ctx.needs_input_grad[8:])
         W = lm_head_weight.to(compute_dtype)  # [N, H]
         Wt = W.t()  # [H, N]
         acc = torch.promote_types(compute_dtype, torch.float32)
         fn = _chunk_fn(compiled)
         grad_w = torch.zeros(W.shape, dtype=acc, device=W.device) if need_w else None
+        M = normed[0].shape[0]
+        w = weights  # [S, M], or [S, R] for the scored rows
+        if rows is not None:  # the scored positions, then pad rows M, M+1, ... (past the end, weight 0)
+            take = rows.clamp(max=M - 1)  # [R]: gathers; a pad row reads position M - 1 and adds nothing
+            w = F.pad(weights, (0, chunk))[:, rows]  # [S, R]: a pad row's weight is an appended 0
         grads_h, kls, argmaxes = [], [], []
         for k, h in enumerate(normed):
-            M = h.shape[0]
-            kl = torch.empty(M, dtype=acc, device=h.device)
-            am = torch.empty(M, dtype=torch.long, device=h.device)
+            if rows is not None:
+                h = h.index_select(0, take)  # [R, H]
+            R = h.shape[0]
+            kl = torch.empty(R, dtype=acc, device=h.device)
+            am = torch.empty(R, dtype=torch.long, device=h.device)
             gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device) if need_h else None
-            for a in range(0, M, chunk):
-                b = min(a + chunk, M)
+            for a in range(0, R, chunk):
+                b = min(a + chunk, R)
                 hc = h[a:b].to(compute_dtype)  # [C, H]
                 # step k at index t is scored against the verifier's distribution at index t+1+k
-                g, kl[a:b], am[a:b] = fn(hc @ Wt, target_logits[a + 1 + k : b + 1 + k], weights[k, a:b])
+                tc = target_logits[a + 1 + k : b + 1 + k] if rows is None else target_logits[take[a:b] + 1 + k]
+                g, kl[a:b], am[a:b] = fn(hc @ Wt, tc, w[k, a:b])
                 if gh is not None:
                     torch.mm(g, W, out=gh[a:b])  # [C, H], written in place (rows of a contiguous buffer)
                 if grad_w is not None:
                     add_matmul(grad_w, g.t(), hc)  # [N, H]
+            if rows is not None:  # back to every position (distinct indices); the pad rows land past M, dropped
+                kl = kl.new_zeros(M + chunk).index_copy_(0, rows, kl)[:M]
+                am = am.new_full((M + chunk,), -1).index_copy_(0, rows, am)[:M]
+                if gh is not None:
+                    gh = gh.new_zeros(M + chunk, gh.shape[1]).index_copy_(0, rows, gh)[:M]
             grads_h.append(gh)
             kls.append(kl)
             argmaxes.append(am)
@@ -163,10 +182,9 @@ class _FusedTTTLoss(torch.autograd.Function):
         need_h, need_w = ctx.has
         saved = list(ctx.saved_tensors)
         grad_w = saved.pop() * grad_loss if need_w else None
-        n = len(ctx.needs_input_grad) - 7
+        n = len(ctx.needs_input_grad) - 8
         grads_h = [g * grad_loss for g in saved] if need_h else [None] * n
-        return (grad_w, None, None, None, None, None, None, *grads_h)
-
+        return (grad_w, None, None, None, None, None, None, None, *grads_h)
 
 def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """``valid[k, b, t]``: step ``k`` at index ``t`` is scored (``loss_mask[t+2+k]`` and the same document).
@@ -184,9 +202,28 @@ def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> to
     return (ahead_mask & (ahead_doc == here) & (here >= 0)).transpose(0, 1)  # [steps, B, T]
 
 
+def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int, *, chunk: int) -> torch.Tensor | None:
+    """The flattened positions any TTT step scores (:func:`step_masks`), padded to a multiple of ``chunk`` with
+    ``B*T, B*T + 1, ...`` (the loss' chunks keep one static shape); ``None`` when that skips no chunk.
+
+    Prompts and packing padding are scored by no step: the draft's head, the loss' softmax passes and their
+    gradient need not run there (a third or more of a chat dataset's positions). Every step's statistics stay
+    as they were: a position any step scores is scored at every step, as the conditional accuracy reads the
+    earlier steps' argmax there. Built by the data loader on the host, so the device never has to be asked how
+    many positions there are (a sync). loss_mask, doc_ids [B, T] -> int64 [R] or None.
+    """
+    M = loss_mask.numel()
+    rows = step_masks(loss_mask, doc_ids, steps).any(0).flatten().nonzero().flatten()  # [n]
+    R = -(-rows.numel() // chunk) * chunk
+    if R >= -(-M // chunk) * chunk:
+        return None
+    return torch.cat([rows, torch.arange(M, M + R - rows.numel())])
+
+
 def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targets: Targets, valid: torch.Tensor,
              scale: torch.Tensor, *, drop_out_of_vocab: bool = False, compute_dtype: torch.dtype = torch.float32,
-             chunk_tokens: int = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False,
+             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The TTT loss of one micro-batch and its per-step statistics.
 
     ``normed``: per step the draft's normed output ``[M, H]`` (flattened
@@ -195,6 +232,8 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
     optimizer step. With ``drop_out_of_vocab`` (EAGLE's choice) positions whose
     full-vocab target is outside the draft vocab carry no loss; the
     statistics still count them (as misses), so accuracy stays honest.
+    ``rows`` (:func:`scored_rows`, built with ``chunk_tokens``): score only
+    those positions; the loss, statistics and gradients are the same.
 
     Returns ``(loss, stats [S, 6])``, the columns in :data:`STAT_COLUMNS` (sums).
     """
@@ -206,7 +245,7 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
     weights = kept.float() * scale[:, None]  # [S, M]
     # the gradient is formed in forward only when a backward can follow (not under no_grad, as in validation)
     loss, kl, draft_argmax = _FusedTTTLoss.apply(lm_head_weight, targets.logits, weights, compute_dtype,
-                                                 chunk_tokens, compiled, torch.is_grad_enabled(), *normed)  # fmt: skip
+                                                 chunk_tokens, compiled, torch.is_grad_enabled(), rows, *normed)  # fmt: skip
     correct = (draft_argmax == tgt) & in_vocab  # [S, M]
     # conditional on every earlier step being right: an exclusive running AND of `correct` over the steps
     earlier_right = torch.cat([torch.ones_like(correct[:1]), correct[:-1].cummin(0).values])  # [S, M]

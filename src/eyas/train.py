@@ -35,7 +35,7 @@ from torch import nn
 
 from eyas.batches import FeatureRows, PreparedRows, Step, StepData, load_vocab, plan_epoch, row_counts
 from eyas.errors import EyasError
-from eyas.loss import STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
+from eyas.loss import CHUNK_TOKENS, STAT_COLUMNS, TargetHead, Targets, step_masks, summarize, ttt_loss
 from eyas.precision import FusedAdamW, begin_deferred_wgrad, refresh_working_weights, use_working_weights
 
 STAGE = "train"
@@ -53,7 +53,7 @@ class TTTObjective(nn.Module):
     """The draft plus its loss in one module, so DDP and FSDP2 see every use of ``lm_head`` inside ``forward``."""
 
     def __init__(self, draft, *, steps: int, step_weights: list[float], drop_out_of_vocab: bool,
-                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = 1024,
+                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = CHUNK_TOKENS,
                  deferred_wgrad: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.draft = draft
@@ -62,7 +62,7 @@ class TTTObjective(nn.Module):
         self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
 
     def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
-                denom, inputs_embeds=None):  # fmt: skip
+                denom, inputs_embeds=None, scored_rows=None):  # fmt: skip
         refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
         if self.deferred_wgrad and torch.is_grad_enabled():  # each layer weight is used once per TTT step
             begin_deferred_wgrad(self.draft, uses=self.steps, lead_shape=tuple(input_ids.shape))
@@ -73,7 +73,7 @@ class TTTObjective(nn.Module):
         targets = Targets(target_logits, target_argmax, in_vocab)
         return ttt_loss([h.flatten(0, 1) for h in normed], self.draft.lm_head.weight, targets, valid, scale,
                         drop_out_of_vocab=self.drop, compute_dtype=self.compute_dtype,
-                        chunk_tokens=self.chunk_tokens, compiled=self.compiled)  # fmt: skip
+                        chunk_tokens=self.chunk_tokens, compiled=self.compiled, rows=scored_rows)  # fmt: skip
 
 
 def compile_draft(draft) -> None:
@@ -327,6 +327,7 @@ class Options:
     max_steps: int | None
     profile_every: int
     deferred_wgrad: bool = False
+    loss_chunk_tokens: int = CHUNK_TOKENS
 
 
 class _Timer:
@@ -375,7 +376,8 @@ class Trainer:
         self.draft = draft
         objective = TTTObjective(draft, steps=o.ttt_steps, step_weights=o.step_weights,
                                  drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
-                                 compiled=compiled, deferred_wgrad=o.deferred_wgrad)  # fmt: skip
+                                 compiled=compiled, deferred_wgrad=o.deferred_wgrad,
+                                 chunk_tokens=o.loss_chunk_tokens)  # fmt: skip
         # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
         # --loader-embeddings keeps in host memory onto the device (as it did until the seventh session)
         objective.step_weights = objective.step_weights.to(device)
@@ -444,7 +446,7 @@ class Trainer:
     def _loader(self, steps: list[Step], grad_accum: int):
         ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.o.max_seq_len,
                       seqs=self.o.seqs_per_micro_batch, lengths=self.lengths, embed=self.loader_embed,
-                      ttt_steps=self.o.ttt_steps)  # fmt: skip
+                      ttt_steps=self.o.ttt_steps, chunk=self.o.loss_chunk_tokens)  # fmt: skip
         w = self.o.num_workers
         return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=w, pin_memory=self.cuda,
                                            prefetch_factor=4 if w else None, worker_init_fn=_worker_init if w else None)  # fmt: skip
@@ -473,7 +475,7 @@ class Trainer:
         with self.autocast:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
                               targets.logits, targets.argmax, targets.in_vocab, denom,
-                              inputs_embeds=mb.get("inputs_embeds"))  # fmt: skip
+                              inputs_embeds=mb.get("inputs_embeds"), scored_rows=mb.get("scored_rows"))  # fmt: skip
 
     def _to_device(self, item: dict[str, Any]) -> dict[str, Any]:
         """A loader item with its tensors (``denom`` and every micro-batch's) moved to the device."""
@@ -779,6 +781,7 @@ def train(
     verifier_name: str | None = None,
     max_steps: int | None = None,
     profile_every: int = 0,
+    loss_chunk_tokens: int = CHUNK_TOKENS,
 ) -> dict[str, Any]:
     """Train an EAGLE-3 draft for a verifier with training-time test; the output dir is a speculators checkpoint.
 
@@ -839,6 +842,8 @@ def train(
         verifier_name: verifier name_or_path written into config.json for vLLM (default: the --verifier path).
         max_steps: stop after N optimizer steps (smoke runs and benchmarks).
         profile_every: every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.
+        loss_chunk_tokens: positions per chunk of the fused loss (its logits buffer is this x the draft vocab);
+            positions no TTT step scores (prompts, packing padding) are skipped in whole chunks of this size.
     """
     from eyas import dist as _dist
 
@@ -1028,7 +1033,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
                     optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
                     save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
                     max_steps=a["max_steps"], profile_every=a["profile_every"],
-                    deferred_wgrad=deferred)  # fmt: skip
+                    deferred_wgrad=deferred, loss_chunk_tokens=a["loss_chunk_tokens"])  # fmt: skip
         trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
                           verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
                           rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,
