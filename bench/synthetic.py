@@ -89,7 +89,8 @@ def draft_vocab(path: Path, d: Dims, *, seed: int = 0) -> Path:
 
 def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, prompt: int = 64, seed: int = 0,
              shard_rows: int = 16) -> Path:  # fmt: skip
-    """``rows`` rows of ``seq_len`` tokens; the first ``prompt`` tokens of each are outside the loss mask."""
+    """``rows`` rows of ``seq_len`` tokens; the first ``prompt`` tokens of each are outside the loss mask (an eighth
+    of the row when ``prompt`` would leave no answer: the smoke runs' 64-token rows)."""
     from eyas.features import FORMAT, shard_tensors, write_shard
     from eyas.manifest import write_manifest
     from eyas.verifier import default_aux_layer_ids, fingerprint, resolve
@@ -106,7 +107,7 @@ def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, pr
         ids, masks, states = [], [], []
         for _ in range(start, end):
             ids.append(torch.randint(3, d.vocab, (seq_len,), generator=g))
-            masks.append(torch.arange(seq_len) >= min(prompt, seq_len // 8))
+            masks.append(torch.arange(seq_len) >= (prompt if prompt < seq_len else seq_len // 8))
             states.append(torch.randn(seq_len, 4, d.hidden, generator=g).bfloat16())  # [T, 4, H]
         shards.append(write_shard(path, start=start, end=end, tensors=shard_tensors(ids, masks, states),
                                   layer_ids=layer_ids))  # fmt: skip
@@ -121,14 +122,16 @@ def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, pr
     return path
 
 
-def inputs(workdir: Path, preset: str, *, rows: int, seq_len: int) -> dict[str, Path]:
-    """The verifier, vocab and features for a preset under ``workdir`` (built once, then reused)."""
+def inputs(workdir: Path, preset: str, *, rows: int, seq_len: int, prompt: int = 64) -> dict[str, Path]:
+    """The verifier, vocab and features for a preset under ``workdir`` (built once, then reused); ``prompt``: the
+    tokens at the start of each row outside the loss mask."""
     d = PRESETS[preset]
     root = workdir / preset
     verifier = head_only_verifier(root / "verifier", d)
     return {
         "verifier": verifier,
         "vocab": draft_vocab(root / "vocab", d),
-        "features": features(root / f"features-{rows}x{seq_len}", verifier, d, rows=rows, seq_len=seq_len),
+        "features": features(root / (f"features-{rows}x{seq_len}" + (f"-p{prompt}" if prompt != 64 else "")),
+                             verifier, d, rows=rows, seq_len=seq_len, prompt=prompt),
         "dims": d,
     }

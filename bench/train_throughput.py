@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default: one sequence)")
     p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64,
+                   help="tokens at the start of each synthetic row outside the loss mask (the loss skips what no "
+                        "TTT step scores)")  # fmt: skip
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--layout", choices=["eagle3", "speculators"], default="eagle3",
                    help="eagle3: all layout flags off (eyas' default); speculators: norm_before_residual, "
@@ -100,11 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = a.steps * batch * world // a.seq_len + 2
     t0 = time.perf_counter()
     if rank == 0:
-        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)
+        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
     else:  # under torchrun rank 0 writes the inputs; the others wait for them
-        while not (a.workdir / a.preset / f"features-{rows}x{a.seq_len}" / ".complete").is_file():
+        suffix = f"-p{a.prompt_tokens}" if a.prompt_tokens != 64 else ""
+        while not (a.workdir / a.preset / f"features-{rows}x{a.seq_len}{suffix}" / ".complete").is_file():
             time.sleep(1)
-        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)
+        inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
     prep_s = time.perf_counter() - t0
     d = inp["dims"]
     out = a.workdir / a.preset / f"eyas-{a.optimizer}-{a.layout}-{a.seq_len}x{batch}-w{world}-{os.environ.get('TORCHELASTIC_RUN_ID', int(time.time()))}"
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "eyas-train", "preset": a.preset, "dims": d.__dict__, "seq_len": a.seq_len, "world_size": world,
         "dist": a.dist if world > 1 else None,
         "tokens_per_step": batch * world,
-        "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout,
+        "ttt_steps": a.ttt_steps, "optimizer": a.optimizer, "layout": a.layout, "prompt_tokens": a.prompt_tokens,
         "full_vocab_accuracy": a.full_vocab_accuracy, "freeze_lm_head": a.freeze_lm_head,
         "gradient_checkpointing": a.gradient_checkpointing, "working_weights": res["working_weights"],
         "loader_embeddings": res["loader_embeddings"], "deferred_wgrad": res["deferred_wgrad"],

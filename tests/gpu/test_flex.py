@@ -258,3 +258,40 @@ def test_fused_adamw_kernel_equals_torch_fused_adamw():
     for m in ours.modules():
         if isinstance(m, WorkingLinear) and m.keep_working:
             assert torch.equal(m._working, m.weight.detach().to(torch.bfloat16))
+
+
+def test_fused_loss_on_scored_rows_equals_all_rows_compiled():
+    """The compiled bf16 loss on the positions some TTT step scores (eyas.loss.scored_rows) against the same loss
+    on every position: the same loss, statistics and gradients within bf16 rounding."""
+    from eyas.loss import Targets, scored_rows, step_masks, ttt_loss
+
+    S, B, T, Hd, Nv, chunk = 3, 2, 1024, 256, 4096, 256
+    g = torch.Generator(device="cuda").manual_seed(4)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    loss_mask[0, 300:700], loss_mask[0, 900:], loss_mask[1, 600:] = True, True, True  # prompts before each answer
+    doc = torch.zeros(B, T, dtype=torch.long, device="cuda")
+    doc[0, 750:] = 1
+    valid = step_masks(loss_mask, doc, S).flatten(1)
+    rows = scored_rows(loss_mask.cpu(), doc.cpu(), S, chunk=chunk)
+    assert rows is not None and rows.numel() < B * T
+    W = (0.05 * torch.randn(Nv, Hd, generator=g, device="cuda")).requires_grad_()
+    tlogits = (3 * torch.randn(B * T + S, Nv, generator=g, device="cuda")).bfloat16()
+    targets = Targets(tlogits, tlogits.argmax(-1), torch.ones(B * T + S, dtype=torch.bool, device="cuda"))
+    scale = torch.tensor([1.0, 0.5, 0.25], device="cuda") / valid.sum(1).clamp(min=1)
+    outs = []
+    for r in (None, rows.cuda()):
+        normed = [torch.randn(B * T, Hd, generator=torch.Generator(device="cuda").manual_seed(k), device="cuda")
+                  .bfloat16().requires_grad_() for k in range(S)]  # fmt: skip
+        loss, stats = ttt_loss(normed, W, targets, valid, scale, compute_dtype=torch.bfloat16, chunk_tokens=chunk,
+                               compiled=True, rows=r)  # fmt: skip
+        loss.backward()
+        outs.append((loss.detach(), stats, W.grad.clone(), [h.grad.float() for h in normed]))
+        W.grad = None
+    (la, sa, wa, ha), (lb, sb, wb, hb) = outs
+    torch.testing.assert_close(lb, la, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(sb[:, 1:3], sa[:, 1:3])  # the positions counted: exact
+    torch.testing.assert_close(sb[:, 3:], sa[:, 3:], rtol=0, atol=3)  # argmax may flip at a bf16 near-tie
+    torch.testing.assert_close(wb, wa, rtol=2e-2, atol=1e-5)
+    for x, y in zip(hb, ha):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=1e-5)
+    assert not hb[0][~valid.any(0)].any()  # nothing reaches a position no step scores
