@@ -2,8 +2,8 @@
 # GPU stage 31 (kind nvidia-h200, carry .whl .carry/whl-min), written in the ninth session for the next device
 # time: the GPU tests (the scored-rows loss compiled in bf16 is new, not yet run on a GPU), then what skipping
 # unscored positions buys at Llama-3.1-8B dims: synthetic rows with a 64-token prompt (97% scored: the loss runs
-# on every row) against rows with a 1088-token prompt (47% scored: the loss runs on one 1024-row chunk of two),
-# at one sequence and at eight sequences per micro-batch (about 8 min cold).
+# on every row) against rows with a 1088-token prompt (47% scored: the loss runs on one 1024-row chunk of two)
+# (about 7 min cold).
 source bench/gpu/common.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .carry/whl-min/*.whl 2>/dev/null
 W="--workdir /tmp/eb"; M="--freeze-lm-head --no-full-vocab-accuracy"
