@@ -186,6 +186,7 @@ class _FusedTTTLoss(torch.autograd.Function):
         grads_h = [g * grad_loss for g in saved] if need_h else [None] * n
         return (grad_w, None, None, None, None, None, None, None, *grads_h)
 
+
 def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     """``valid[k, b, t]``: step ``k`` at index ``t`` is scored (``loss_mask[t+2+k]`` and the same document).
 

@@ -374,7 +374,7 @@ class FusedAdamW(torch.optim.AdamW):
                 and w.device == p.device  # fmt: skip
             beta1, beta2 = group["betas"]
             n = p.numel()
-            kernel[(triton_cdiv(n, BLOCK),)](
+            kernel[(-(-n // BLOCK),)](  # one program per BLOCK elements
                 p, g, state["exp_avg"], state["exp_avg_sq"], w if has_w else p, state["step"],
                 scale if scale is not None else state["step"], n, float(group["lr"]), beta1, beta2,
                 math.log2(beta1), math.log2(beta2), group["eps"], group["weight_decay"],
@@ -384,7 +384,3 @@ class FusedAdamW(torch.optim.AdamW):
             if has_w:  # the copy is the new weights': its refresh has nothing to do until the master moves again
                 lin._working_key = (p._version, p.data_ptr(), p.device)
         return None
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
