@@ -22,16 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _shapes(name: str) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """(trainable weights, of which layer weights kept as working copies) of the draft at ``name``'s dims:
-    fc, q/k/v (2H in), o, gate/up/down, four norms; lm_head frozen (speculators' setting)."""
+def _shapes(name: str) -> tuple[list[tuple[int, int]], list[tuple[int, ...]]]:
+    """The draft's trainable weights at ``name``'s dims: (the layer's linears, kept as working copies: q/k/v
+    with 2H inputs, o, gate/up/down; the rest: fc, four norms); lm_head frozen (speculators' setting)."""
     from synthetic import PRESETS
 
     d = PRESETS[name]
     H, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     layer = [(q, 2 * H), (kv, 2 * H), (kv, 2 * H), (H, q), (d.intermediate, H), (d.intermediate, H),
              (H, d.intermediate)]  # fmt: skip
-    return [(H, 3 * H), *layer, (H,), (H,), (H,), (H,)], layer
+    return layer, [(H, 3 * H), (H,), (H,), (H,), (H,)]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -43,35 +43,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import torch
 
-    from eyas.precision import FusedAdamW, WorkingLinear
+    from eyas.precision import FusedAdamW, refresh_working_weights, use_working_weights
 
     if a.smoke:
         a.dims, a.iters = ["smoke"], 2
     dev = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     results = []
     for name in a.dims:
-        shapes, layer = _shapes(name)
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        layer_numel = sum(torch.Size(s).numel() for s in layer)
+        layer_shapes, other_shapes = _shapes(name)
+        layer_numel = sum(o * i for o, i in layer_shapes)
+        numel = layer_numel + sum(torch.Size(s).numel() for s in other_shapes)
         for variant in ("torch-fused+refresh", "eyas-fused"):
             g = torch.Generator(device=dev).manual_seed(0)
-            params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=g, device=dev)) for s in shapes]
+            # the layer's linears with their bf16 working copies, as eyas.train sets them up
+            layer = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False, device=dev) for o, i in layer_shapes])
+            use_working_weights(layer, torch.bfloat16)
+            params = [*layer.parameters(),
+                      *(torch.nn.Parameter(0.02 * torch.randn(s, generator=g, device=dev)) for s in other_shapes)]
             for q in params:
                 q.grad = 1e-3 * torch.randn(q.shape, generator=g, device=dev)
-            # the layer weights as WorkingLinear modules, each with its bf16 copy, as eyas.train sets them up
-            lins = []
-            for q in params[1 : 1 + len(layer)]:
-                m = torch.nn.Linear(q.shape[1], q.shape[0], bias=False, device="meta")
-                m.__class__ = WorkingLinear
-                m.weight, m.working_dtype, m.keep_working = q, torch.bfloat16, True
-                m._working, m._working_key = q.detach().to(torch.bfloat16), None
-                lins.append(m)
             groups = [{"params": [q for q in params if q.ndim == 2], "weight_decay": 0.01},
                       {"params": [q for q in params if q.ndim == 1], "weight_decay": 0.0}]  # fmt: skip
             kw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
             if variant == "eyas-fused":
                 opt = FusedAdamW(groups, **kw)
-                opt._working = {id(m.weight): m for m in lins}
+                opt.attach_working(layer)
 
                 def step():
                     opt.step()
@@ -80,8 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
                 def step():
                     opt.step()
-                    for m in lins:
-                        m._working.copy_(m.weight.detach())
+                    refresh_working_weights(layer)  # what TTTObjective does before the next forward
 
             opt.grad_scale = torch.ones((), device=dev)  # the clip, as eyas.train.clip_gradients passes it
             for _ in range(2):  # warm-up: state allocation, the kernel's compilation
@@ -100,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "tb_per_s": round(moved / ms / 1e9, 2), "fast_path": isinstance(opt, FusedAdamW) and opt._fast()}  # fmt: skip
             results.append(res)
             print(json.dumps(res), flush=True)
-            del opt, params, lins
+            del opt, params, layer
             if dev == "cuda":
                 torch.cuda.empty_cache()
     return results

@@ -122,6 +122,11 @@ def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, pr
     return path
 
 
+def features_dir(workdir: Path, preset: str, *, rows: int, seq_len: int, prompt: int = 64) -> Path:
+    """Where :func:`inputs` writes a preset's features (``.complete`` inside once they are whole)."""
+    return workdir / preset / (f"features-{rows}x{seq_len}" + (f"-p{prompt}" if prompt != 64 else ""))
+
+
 def inputs(workdir: Path, preset: str, *, rows: int, seq_len: int, prompt: int = 64) -> dict[str, Path]:
     """The verifier, vocab and features for a preset under ``workdir`` (built once, then reused); ``prompt``: the
     tokens at the start of each row outside the loss mask."""
@@ -131,7 +136,7 @@ def inputs(workdir: Path, preset: str, *, rows: int, seq_len: int, prompt: int =
     return {
         "verifier": verifier,
         "vocab": draft_vocab(root / "vocab", d),
-        "features": features(root / (f"features-{rows}x{seq_len}" + (f"-p{prompt}" if prompt != 64 else "")),
-                             verifier, d, rows=rows, seq_len=seq_len, prompt=prompt),
+        "features": features(features_dir(workdir, preset, rows=rows, seq_len=seq_len, prompt=prompt), verifier, d,
+                             rows=rows, seq_len=seq_len, prompt=prompt),
         "dims": d,
     }

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
     else:  # under torchrun rank 0 writes the inputs; the others wait for them
-        suffix = f"-p{a.prompt_tokens}" if a.prompt_tokens != 64 else ""
-        while not (a.workdir / a.preset / f"features-{rows}x{a.seq_len}{suffix}" / ".complete").is_file():
+        where = synthetic.features_dir(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
+        while not (where / ".complete").is_file():
             time.sleep(1)
         inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
     prep_s = time.perf_counter() - t0
