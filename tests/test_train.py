@@ -375,4 +375,6 @@ def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
         train(data=inputs["features"], vocab=str(bad), **base)
     with pytest.raises(EyasError, match="--layers"):
         train(data=inputs["features"], layers=[1, 2, 3], **base)
+    with pytest.raises(EyasError, match="--loss-chunk-tokens must be >= 1"):
+        train(data=inputs["features"], loss_chunk_tokens=0, **base)
     assert not out.exists()

@@ -880,6 +880,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
     batch_tokens = a["batch_tokens"] or max_len
     if batch_tokens % max_len:
         raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
+    if a["loss_chunk_tokens"] < 1:
+        raise EyasError(f"--loss-chunk-tokens must be >= 1 (got {a['loss_chunk_tokens']}); the default is {CHUNK_TOKENS}")
 
     # ---- inputs, all checked before anything runs
     if a["online"]:
