@@ -1,6 +1,7 @@
 """How much of the fused loss' work a prepared dataset lets `eyas train` skip: the share of positions some TTT
 step scores (the rest are prompts and packing padding), and the share of loss rows that still run once the
-scored positions are padded to whole chunks (``eyas.loss.scored_rows``), for a few packings and chunk sizes.
+scored positions are padded to whole chunks (``eyas.loss.scored_rows``), for a few packings and chunk sizes;
+and the share of positions the verifier's head still runs on for the targets (``eyas.loss.target_rows``).
 
     python bench/scored_positions.py --data PREPARED        # an `eyas prepare` output; one JSON line per setting
 """
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for chunk in a.chunks:
             data = StepData(src, plan, rank=0, grad_accum=1, max_len=max_len, seqs=batch // max_len,
                             lengths=lengths, ttt_steps=a.ttt_steps, chunk=chunk)  # fmt: skip
-            total = scored = run = 0
+            total = scored = run = positions = heads = 0
             for j in picks:
                 mb = data[j]["micro_batches"][0]
                 M = mb["loss_mask"].numel()
@@ -50,9 +51,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 total += padded
                 scored += int(step_masks(mb["loss_mask"], mb["doc_ids"], a.ttt_steps).any(0).sum())
                 run += mb["scored_rows"].numel() if "scored_rows" in mb else padded
+                positions += M
+                heads += mb["target_rows"].numel() if "target_rows" in mb else M
             res = {"bench": "scored-positions", "data": str(a.data), "max_seq_len": max_len, "batch_tokens": batch,
                    "chunk": chunk, "micro_batches": len(picks), "scored_share": round(scored / total, 3),
-                   "loss_rows_share": round(run / total, 3)}  # fmt: skip
+                   "loss_rows_share": round(run / total, 3),
+                   "target_rows_share": round(heads / positions, 3)}  # fmt: skip
             results.append(res)
             print(json.dumps(res), flush=True)
     return results

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from eyas.loss import TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, ttt_loss
+from eyas.loss import TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, target_rows, ttt_loss
 
 
 def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
@@ -109,6 +109,58 @@ def test_fused_loss_on_scored_rows_equals_reference(drop):
     # one document per row, all of it answer: only the last two positions of each row go unscored, which saves no
     # chunk of T positions (54 scored of 58): no rows, the loss runs on every position as before
     assert scored_rows(torch.ones(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.long), S, chunk=T) is None
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_targets_only_where_a_step_reads_them_give_the_same_loss(drop):
+    """The verifier's head run only at :func:`target_rows` (the rest of each prompt and the padding skipped)
+    gives the same loss, statistics and gradients as targets at every position, whether the loss itself runs
+    on every position or only on the scored ones; the positions left out are exactly those no step reads."""
+    torch.manual_seed(3)
+    S, B, T, H, N, V = 3, 2, 29, 6, 9, 21
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_mask[0, 6:12], loss_mask[0, 19:25], loss_mask[1, 20:] = True, True, True
+    doc = torch.tensor([[0] * 12 + [1] * 13 + [-1] * 4, [0] * T])
+    M = B * T
+    valid = step_masks(loss_mask, doc, S).flatten(1)  # [S, M]
+    need = target_rows(loss_mask, doc, S)
+    scored = valid.any(0).nonzero().flatten().tolist()
+    want = sorted({t + 1 + k for t in scored for k in range(S)} & set(range(M)))
+    assert need is not None and need.tolist() == want and len(want) < M - 10
+    assert target_rows(torch.ones(1, T, dtype=torch.bool), torch.zeros(1, T, dtype=torch.long), S) is None
+
+    full = torch.randn(V, H, dtype=torch.float64) * 2
+    draft_ids = torch.tensor(sorted(torch.randperm(V)[:N].tolist()))
+    rest_ids = torch.tensor([i for i in range(V) if i not in set(draft_ids.tolist())])
+    head = TargetHead(norm=nn.RMSNorm(H, dtype=torch.float64), rows=full[draft_ids], draft_target_ids=draft_ids,
+                      rest=full[rest_ids], rest_ids=rest_ids, chunk_tokens=4)  # fmt: skip
+    last = torch.randn(M, H, dtype=torch.float64)
+    every, some = head(last, pad=S), head(last, pad=S, rows=need)
+    for a, b in [(every.logits, some.logits), (every.argmax, some.argmax), (every.in_vocab, some.in_vocab)]:
+        assert torch.equal(a[need], b[need])
+    assert 0 < int(every.in_vocab[need].sum()) < len(want)  # both sides of the full-vocab check are exercised
+    skipped = torch.ones(M + S, dtype=torch.bool)
+    skipped[need] = False
+    assert not some.logits[skipped].any() and not some.in_vocab[skipped].any() and not some.argmax[skipped].any()
+
+    W = torch.randn(N, H, dtype=torch.float64)
+    normed = [torch.randn(M, H, dtype=torch.float64) for _ in range(S)]
+    with torch.no_grad():  # some right draft argmaxes, so the (conditional) accuracy is exercised
+        normed[0][:] = W[every.logits[1 : M + 1].argmax(-1)] * 5
+        normed[1][::2] = W[every.logits[2 : M + 2 : 2].argmax(-1)] * 5
+    scale = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
+    for rows in [None, scored_rows(loss_mask, doc, S, chunk=5)]:
+        results = []
+        for targets in (every, some):
+            Wg = W.clone().requires_grad_()
+            hs = [h.clone().requires_grad_() for h in normed]
+            loss, stats = ttt_loss(hs, Wg, targets, valid, scale, drop_out_of_vocab=drop,
+                                   compute_dtype=torch.float64, chunk_tokens=5, rows=rows)  # fmt: skip
+            loss.backward()
+            results.append((loss.detach(), stats, Wg.grad, *[h.grad for h in hs]))
+        assert results[0][1][1, 4] > 0  # conditional accuracy past the first step
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("T", [13, 3, 1])  # 3 and 1: shorter than the last step's shift

@@ -161,11 +161,20 @@ def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
 
 def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, monkeypatch):
     """With small loss chunks the loader hands the loss the positions some TTT step scores (the rows' prompts and
-    the packing padding left out) and training follows the run that scores every position: same weights,
-    validation loss and statistics."""
-    from eyas.loss import _FusedTTTLoss
+    the packing padding left out), and the verifier's head the positions whose targets some step reads; training
+    follows the run that scores every position with targets everywhere: same weights, validation loss and
+    statistics."""
+    import eyas.batches
+    from eyas.loss import TargetHead, _FusedTTTLoss, target_rows
 
     seen, apply = [], _FusedTTTLoss.apply
+    heads, call = [], TargetHead.__call__
+
+    def head_spy(self, last, *, pad, rows=None):  # records how many positions the verifier's head ran on
+        heads.append(last.shape[0] if rows is None else rows.numel())
+        return call(self, last, pad=pad, rows=rows)
+
+    monkeypatch.setattr(TargetHead, "__call__", head_spy)
 
     def spy(*args):  # records each loss call's scored rows (args[7]) against its positions
         rows, M = args[7], args[8].shape[0]
@@ -175,12 +184,17 @@ def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, m
     monkeypatch.setattr(_FusedTTTLoss, "apply", spy)
     kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=4,
               val_ratio=0.2, **{**COMMON, "batch_tokens": 128})  # fmt: skip
-    train(out=str(tmp_path / "all"), loss_chunk_tokens=1024, **kw)  # 128 positions a micro-batch: one chunk
-    assert seen and all(r is None for r in seen)
+    with monkeypatch.context() as m:  # the reference: targets at every position
+        m.setattr(eyas.batches, "target_rows", lambda *a: None)
+        train(out=str(tmp_path / "all"), loss_chunk_tokens=1024, **kw)  # 128 positions a micro-batch: one chunk
+    assert seen and all(r is None for r in seen) and set(heads) == {128}
     seen.clear()
+    heads.clear()
+    assert eyas.batches.target_rows is target_rows
     train(out=str(tmp_path / "scored"), loss_chunk_tokens=8, **kw)
     skipped = [r for r in seen if r is not None]
     assert len(skipped) >= len(seen) // 2 and all(n < M for n, M in skipped), seen  # prompts and padding left out
+    assert len(heads) == len(seen) and sum(heads) < 0.9 * 128 * len(heads), heads  # targets skipped there too
     a, b = _final_state(tmp_path / "all"), _final_state(tmp_path / "scored")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.loss import CHUNK_TOKENS, scored_rows
+from eyas.loss import CHUNK_TOKENS, scored_rows, target_rows
 
 OPEN_BINS = 64  # sequences kept open while packing (best fit among them)
 
@@ -231,7 +231,8 @@ class StepData(torch.utils.data.Dataset):
         ``inputs_embeds [B, max_len + ttt_steps, H]``, the rows of its ids followed by ``ttt_steps`` of id 0
         (what :meth:`eyas.model.Eagle3Draft.ttt` reads), so the table never has to be on the device. With
         ``ttt_steps``, a micro-batch also carries ``scored_rows`` (:func:`eyas.loss.scored_rows` for the loss'
-        ``chunk``) when skipping the positions no step scores saves a chunk of the loss."""
+        ``chunk``) when skipping the positions no step scores saves a chunk of the loss, and ``target_rows``
+        (:func:`eyas.loss.target_rows`) when some positions' targets are read by no step."""
         self.source, self.steps, self.rank, self.G = source, steps, rank, grad_accum
         self.S, self.B, self.lengths = max_len, seqs, lengths
         self.embed, self.ttt_steps, self.chunk = embed, ttt_steps, chunk
@@ -264,10 +265,13 @@ class StepData(torch.utils.data.Dataset):
                 rows.append((b, off, r, L))
                 off += L
         out = {"input_ids": ids, "loss_mask": mask, "doc_ids": doc, "position_ids": pos}
-        if self.ttt_steps:  # the positions the loss scores, when that skips some of its chunks (prompts, padding)
+        if self.ttt_steps:  # the positions the loss scores and those whose targets it reads, when not all
             scored = scored_rows(mask, doc, self.ttt_steps, chunk=self.chunk)
             if scored is not None:
                 out["scored_rows"] = scored
+            needed = target_rows(mask, doc, self.ttt_steps)
+            if needed is not None:
+                out["target_rows"] = needed
         if self.embed is not None:
             padded = torch.nn.functional.pad(ids, (0, self.ttt_steps))  # [B, S + steps], id 0 past the end
             out["inputs_embeds"] = self.embed[padded]  # [B, S + steps, H]

@@ -471,7 +471,7 @@ class Trainer:
 
     def _forward(self, mb: dict[str, torch.Tensor], denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         aux, last = self._features(mb)
-        targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps)
+        targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps, rows=mb.get("target_rows"))
         with self.autocast:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
                               targets.logits, targets.argmax, targets.in_vocab, denom,
