@@ -12,7 +12,7 @@ SPECULATORS := $(VENV)/speculators-0.9.0
 # 51.9 MB six times in a row, resumes included, and stopped). pip resumes a cut download within one attempt;
 # when that fails, a fresh attempt after a pause opens new connections. Usage: $(call pip_install,PYTHON,ARGS).
 # --resume-retries needs pip >= 25.1, so the first call (upgrading the venv's own pip) goes without it.
-pip_install = for attempt in 1 2 3 4; do \
+pip_install = @echo '$(1) -m pip install $(2)'; for attempt in 1 2 3 4; do \
 		$(1) -m pip install -q --retries 10 $(2) && break; \
 		if [ $$attempt = 4 ]; then echo "pip install failed 4 times (see above)" >&2; exit 1; fi; \
 		echo "pip install failed (attempt $$attempt of 4; see above); retrying in $$((attempt * 30)) s" >&2; \
