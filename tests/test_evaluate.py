@@ -149,7 +149,7 @@ def setups(make_tiny):
         model = build_text_model(info)
         tok = load_tokenizer(info)
         eos = ev.end_of_turn_ids(tok)
-        prompts = [ev._encode(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
+        prompts = [ev.encode_prompt(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
         # Fitted draft: a short TTT fit on the verifier's own greedy answers to these prompts (their first 24
         # tokens), so acceptance is high there and falls off past them: rounds with 0, some and all K accepted.
         base = VerifierRunner(model, aux_layer_ids=None, static=False)
@@ -392,7 +392,7 @@ def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
     tok = load_tokenizer(info)
     eos = ev.end_of_turn_ids(tok)
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos
-    ids = ev._encode(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    ids = ev.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
     draft = random_draft(info, seed=0)
     spec = VerifierRunner(smollm2_model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
     base = VerifierRunner(smollm2_model, aux_layer_ids=None, static=False)

@@ -71,3 +71,24 @@ def test_bad_config_fails_before_any_stage(make_tiny, tmp_path, body, message):
     with pytest.raises(EyasError, match=message):
         run(str(cfg))
     assert not (tmp_path / "out").exists()
+
+
+def test_regenerate_section_feeds_prepare(make_tiny, tmp_path):
+    """With a [regenerate] section, prepare reads the verifier's own answers (not the source's) by default."""
+    cfg = _config(tmp_path, make_tiny("llama").path, """
+[regenerate]
+data = "DATA"
+max_new_tokens = 6
+max_samples = 4
+[prepare]
+max_seq_len = 256
+num_proc = 1
+""")
+    res = run(str(cfg))
+    out = tmp_path / "out"
+    assert res["prepare"]["inputs"]["data"]["source"] == f"{out / 'regenerated'} (eyas regenerate)"
+    assert res["prepare"]["outputs"]["rows"] == res["regenerate"]["outputs"]["conversations"] > 0
+    said = [json.loads(line) for line in (out / "regenerated" / "conversations.jsonl").read_text().splitlines()]
+    original = {turn["value"].strip() for c in CONVERSATIONS for turn in c if turn["from"] == "gpt"}
+    answers = [m["content"] for r in said for m in r["messages"] if m["role"] == "assistant"]
+    assert answers and not original & set(answers)

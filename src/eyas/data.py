@@ -394,7 +394,8 @@ def prepare(
     if named is not None and named.prompt_only:
         raise EyasError(
             f"{data} is a prompt-only set (no assistant answers to learn from): "
-            f"run `eyas regenerate --data {data}` first and prepare its output"
+            f"have the verifier answer it first (`eyas regenerate --verifier {verifier} --data {data} --out DIR`), "
+            "then prepare DIR"
         )
     tok = load_tokenizer(info, trust_remote_code=trust_remote_code)
     template = ChatTemplate(tok, where=info.path)

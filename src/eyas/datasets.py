@@ -27,6 +27,7 @@ online ``train``) are a directory holding
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib.util
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.errors import EyasError
-from eyas.manifest import atomic_path, read_manifest
+from eyas.manifest import MANIFEST, atomic_path, read_manifest
 
 PREPARED_ROWS = "rows"
 PREPARED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "row_id")
@@ -252,11 +253,24 @@ def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet |
             raise EyasError(f"{p}: not a .json, .jsonl or .parquet file (or .json.gz / .jsonl.gz)")
         return str(p), [p], None
     if p.is_dir():
+        from eyas.regenerate import CONVERSATIONS
+
+        if (p / CONVERSATIONS).is_file() and _stage(p) == "regenerate":  # an `eyas regenerate` output: its data
+            return f"{p} (eyas regenerate)", [p / CONVERSATIONS], None
+        if not (p / MANIFEST).is_file() and any((p / ".parts").glob("*/*.records")):
+            raise EyasError(f"{p} is an unfinished `eyas regenerate` output; run the same command again to finish it")
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SOURCE_SUFFIXES))
         if not files:
             raise EyasError(f"{p} holds no .json, .jsonl or .parquet files")
         return str(p), files, None
     raise EyasError(f"data not found: {s} (a file, a folder, or one of the named sets: {', '.join(NAMED_SETS)})")
+
+
+def _stage(folder: Path) -> str | None:
+    """The stage whose manifest ``folder`` holds, if any."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((folder / MANIFEST).read_text()).get("stage")
+    return None
 
 
 def source_sha256(files: list[Path]) -> str:

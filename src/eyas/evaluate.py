@@ -133,6 +133,12 @@ def sliding_rollback_supported() -> bool:
     return (major, minor) >= SLIDING_ROLLBACK_MIN_TRANSFORMERS
 
 
+def cache_keyword(model) -> str:
+    """The name the model's forward takes its KV cache by: transformers 5.24 renamed ``past_key_values`` to
+    ``cache``; 5.17 (the GPU machine's) knows only the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class VerifierRunner:
     """The verifier's forward over new tokens with a KV cache that can be rolled back.
 
@@ -151,8 +157,7 @@ class VerifierRunner:
         self.static = static
         self.device = next(model.parameters()).device
         self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
-        # transformers 5.24 renamed past_key_values to cache; 5.17 (the GPU machine's) knows only the old name.
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         if has_sliding_window(model.config):
             if static:
                 raise EyasError("a static cache cannot roll back a sliding-window verifier (its buffer is circular): "
@@ -519,7 +524,7 @@ def _conversation(p: EvalPrompt, answers: list[str], turn: int) -> list[dict[str
     return messages + [{"role": "user", "content": p.turns[turn]}]
 
 
-def _encode(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The chat template applied as the verifier's tokenizer ships it (no second BOS: the template writes it)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -717,7 +722,7 @@ class Measurement:
 def conversation_bound(plist: list[EvalPrompt], tokenizer, *, max_new_tokens: int, draft_tokens: int) -> int:
     """Positions the longest conversation can need: its turns with every answer at ``max_new_tokens`` (plus slack
     for re-tokenising an answer) and one verification round past the end."""
-    return max(len(_encode(tokenizer, _conversation(p, ["" for _ in p.turns[1:]], len(p.turns) - 1)))
+    return max(len(encode_prompt(tokenizer, _conversation(p, ["" for _ in p.turns[1:]], len(p.turns) - 1)))
                + len(p.turns) * (max_new_tokens + 16) for p in plist) + draft_tokens + 2  # fmt: skip
 
 
@@ -741,7 +746,7 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
     for p in plist:
         answers: list[str] = []
         for ti in range(len(p.turns)):
-            ids = _encode(tokenizer, _conversation(p, answers, ti))
+            ids = encode_prompt(tokenizer, _conversation(p, answers, ti))
             m.turn_ids.append(ids)
             with runners.spec:
                 spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec, **kw)
@@ -808,6 +813,16 @@ def _report_paths(out: str | Path) -> tuple[Path, Path]:
     return p / "report.json", p / "accepted_lengths.png"
 
 
+def device_and_dtype(device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` (default: cuda when there is one) and ``--dtype`` (auto: bf16 on a GPU, fp32 on CPU)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
+    return dev, _DTYPES[dtype]
+
+
 def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
           trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
     """Load what a measurement needs once: the verifier (info, model, tokenizer, end-of-turn ids) and the draft
@@ -815,14 +830,8 @@ def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = 
     from eyas.checkpoint import load_draft
     from eyas.verifier import build_text_model, load_tokenizer, resolve
 
+    dev, dt = device_and_dtype(device, dtype)
     info = resolve(verifier)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    elif dtype in _DTYPES:
-        dt = _DTYPES[dtype]
-    else:
-        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
     tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code)
     if str(draft) == "random":
         d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}

