@@ -135,17 +135,17 @@ def demo(*, out: str = "runs/demo") -> None:
 
 
 def demo_regenerate(*, out: Path) -> dict:
-    """The demo's regenerate step: SmolLM2 answers two MT-Bench questions itself (both turns, at most 48 tokens
-    an answer, greedy), the data a draft should train on; one conversation is printed. (The demo then
+    """The demo's regenerate step: SmolLM2 answers two MT-Bench questions itself (their first turns, at most 64
+    tokens an answer, greedy), the data a draft should train on; one conversation is printed. (The demo then
     prepares ShareGPT's own answers: two conversations are too few to train on.)"""
     import json
 
     from eyas.regenerate import CONVERSATIONS, regenerate
     from eyas.verifier import DEMO_VERIFIER
 
-    print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (both turns) -> {out}")
-    manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_new_tokens=48,
-                          batch_size=2)  # fmt: skip
+    print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (first turns, <= 64 tokens) -> {out}")
+    manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_turns=1,
+                          max_new_tokens=64, batch_size=2)  # fmt: skip
     first = json.loads((out / CONVERSATIONS).read_text().splitlines()[0])
     for m in first["messages"]:
         text = " ".join(m["content"].split())
