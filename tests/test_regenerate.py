@@ -31,10 +31,11 @@ def source(tmp_path):
 
 
 @pytest.fixture
-def verifier(make_tiny, monkeypatch):
-    """The tiny Llama, with one more end-of-turn id: a token its greedy answers use early, so that some answers
-    finish (and a second turn follows) while others are cut at the token limit."""
-    t = make_tiny("llama")
+def verifier(make_tiny, monkeypatch, request):
+    """A tiny verifier (the Llama unless the test names another layout), with one more end-of-turn id: a token
+    its greedy answers use early, so that some answers finish (and a second turn follows) while others are cut
+    at the token limit."""
+    t = make_tiny(getattr(request, "param", "llama"))
     info = resolve(t.path)
     tok = load_tokenizer(info)
     model = build_text_model(info)
@@ -74,6 +75,7 @@ def _read(out) -> dict[str, list[dict[str, str]]]:
     return {r["id"]: r["messages"] for r in map(json.loads, (out / CONVERSATIONS).read_text().splitlines())}
 
 
+@pytest.mark.parametrize("verifier", ["llama", "qwen3", "kimi_like"], indirect=True)  # kimi_like: nested, MoE
 def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp_path):
     out = tmp_path / "regen"
     m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=2)
