@@ -139,3 +139,95 @@ def test_bad_settings_are_refused_before_loading_anything(source, tmp_path):
                       ({"dtype": "int8"}, "--dtype")]:  # fmt: skip
         with pytest.raises(EyasError, match=match):
             regenerate(verifier="no/such/dir", data=str(source), out=str(tmp_path / "x"), **kw)
+
+
+def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, source, tmp_path, monkeypatch, capsys):
+    """An OpenAI-compatible server (here on loopback, running the same tiny verifier with eval's plain decoding)
+    gives the conversations local decoding gives; the API key goes in the request header and nowhere else."""
+    import http.server
+    import threading
+
+    import eyas.regenerate as rg
+
+    tok, eos = verifier["tok"], verifier["eos"]
+    runner = ev.VerifierRunner(verifier["model"], aux_layer_ids=None, static=False)
+    auth = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(200, {"data": [{"id": "tiny-llama"}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            auth.append(self.headers.get("Authorization"))
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/v1/chat/completions" and req["model"] == "tiny-llama"
+            ids = ev.encode_prompt(tok, req["messages"])
+            if len(ids) + req["max_tokens"] > 1024:
+                return self._send(400, {"error": {"message": "This model's maximum context length is 1024 tokens"}})
+            toks = ev.plain_generate(runner, ids, max_new_tokens=req["max_tokens"], eos_ids=eos).tokens
+            done = toks[-1] in eos
+            text = tok.decode(toks[:-1] if done else toks, skip_special_tokens=True)
+            self._send(200, {"choices": [{"message": {"role": "assistant", "content": text},
+                                          "finish_reason": "stop" if done else "length"}],
+                             "usage": {"completion_tokens": len(toks)}})  # fmt: skip
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one request at a time: the runner has one cache
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("EYAS_TEST_KEY", "sekret-7f3a")
+    out = tmp_path / "served"
+    try:
+        m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=3,
+                       server=f"http://user:pw@127.0.0.1:{srv.server_port}/v1", api_key_env="EYAS_TEST_KEY")  # fmt: skip
+    finally:
+        srv.shutdown()
+        srv.server_close()  # the port now refuses connections
+    assert _read(out) == _reference(verifier)
+    assert m["outputs"]["prompt_too_long"] == 1 and m["settings"]["server"]["url"].startswith("http://127.0.0.1:")
+    assert auth and set(auth) == {"Bearer sekret-7f3a"}
+    said = capsys.readouterr()
+    for text in [(out / "manifest.json").read_text(), (out / CONVERSATIONS).read_text(), said.out, said.err]:
+        assert "sekret" not in text and "pw@" not in text
+
+    monkeypatch.setattr(rg.time, "sleep", lambda s: None)
+    with pytest.raises(EyasError, match="did not answer /models .* is it running"):
+        regenerate(verifier=verifier["path"], data=str(source), out=str(tmp_path / "down"), max_new_tokens=NEW,
+                   server=f"http://127.0.0.1:{srv.server_port}/v1")  # fmt: skip
+
+
+def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
+    """Under torchrun the parts are dealt out to the ranks; the conversations are those one process writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import eyas.regenerate as rg
+
+    t = make_tiny("llama")
+    src = tmp_path / "many.jsonl"
+    n = rg.PART + 6  # two parts: one for each rank
+    src.write_text("".join(json.dumps({"turns": [f"Question {i}: " + "why " * (i % 7), "More?"]}) + "\n"
+                           for i in range(n)))  # fmt: skip
+    kw = {"max_new_tokens": 4, "batch_size": 8, "device": "cpu"}
+    one = regenerate(verifier=str(t.path), data=str(src), out=str(tmp_path / "one"), **kw)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+           "regenerate", "--verifier", str(t.path), "--data", str(src), "--out", str(tmp_path / "two"),
+           *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(Path(rg.__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert two["timing"]["ranks"] == 2 and two["outputs"] == one["outputs"] and one["outputs"]["prompts"] == n
+    assert (tmp_path / "two" / CONVERSATIONS).read_text() == (tmp_path / "one" / CONVERSATIONS).read_text()
