@@ -92,3 +92,19 @@ num_proc = 1
     original = {turn["value"].strip() for c in CONVERSATIONS for turn in c if turn["from"] == "gpt"}
     answers = [m["content"] for r in said for m in r["messages"] if m["role"] == "assistant"]
     assert answers and not original & set(answers)
+
+
+def test_shipped_configs_check():
+    """Every config in configs/ names known stages and arguments (checked, nothing run)."""
+    from pathlib import Path
+
+    from eyas.pipeline import check
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+    assert len(configs) >= 3
+    for c in configs:
+        _, _, plan = check(str(c))
+        assert plan, c
+    _, root, plan = check(str(configs[0].parent / "smollm2-gpu-regenerated.toml"))
+    stages = {name: args for name, _, args in plan}
+    assert stages["prepare"]["data"] == str(root / "regenerated") and "regenerate" in stages

@@ -57,6 +57,18 @@ def run(config: str) -> dict[str, Any]:
     Args:
         config: a TOML file (see configs/ for examples).
     """
+    path, root, plan = check(config)
+    results = {}
+    for name, fn, args in plan:
+        print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in args.items()))
+        results[name] = fn(**args)
+    print(f"\n== {path}: {', '.join(n for n, _, _ in plan)} done under {root}{os.sep}")
+    return results
+
+
+def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]]]:
+    """Read and check a config without running anything: ``(path, out root, [(stage, function, arguments)])``
+    in pipeline order; a bad key or argument is an error naming it."""
     path = Path(config)
     try:
         cfg = tomllib.loads(path.read_text())
@@ -88,12 +100,7 @@ def run(config: str) -> dict[str, Any]:
             args["verifier"] = cfg["verifier"]
         args.update(sections[name])
         plan.append((name, fn, args))
-    results = {}
-    for name, fn, args in plan:
-        print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in args.items()))
-        results[name] = fn(**args)
-    print(f"\n== {path}: {', '.join(n for n, _, _ in plan)} done under {root}{os.sep}")
-    return results
+    return path, root, plan
 
 
 def demo(*, out: str = "runs/demo") -> None:
