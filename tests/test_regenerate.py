@@ -231,3 +231,27 @@ def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert two["timing"]["ranks"] == 2 and two["outputs"] == one["outputs"] and one["outputs"]["prompts"] == n
     assert (tmp_path / "two" / CONVERSATIONS).read_text() == (tmp_path / "one" / CONVERSATIONS).read_text()
+
+
+def test_smollm2_answers_both_turns_and_ends_each_itself(smollm2_path, smollm2_model, tmp_path):
+    """The real SmolLM2 through its GGUF and chat template: short answers end at its own <|im_end|>, so the
+    second turn follows the first; batched (left-padded) answers equal eval's plain decoding of each alone."""
+    src = tmp_path / "q.jsonl"
+    turns = [["What is 2 + 2? Reply with just the number.", "And 3 + 3? Reply with just the number."],
+             ["What is 5 + 5? Reply with just the number.", "And 1 + 1? Reply with just the number."]]  # fmt: skip
+    src.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
+    m = regenerate(verifier="smollm2", data=str(src), out=str(tmp_path / "out"), max_new_tokens=24, batch_size=2)
+    assert m["outputs"]["answers"] == 4 and m["outputs"]["cut_at_max_new_tokens"] == 0
+    got = _read(tmp_path / "out")
+    tok = load_tokenizer(resolve(smollm2_path))
+    eos = ev.end_of_turn_ids(tok)
+    runner = ev.VerifierRunner(smollm2_model, aux_layer_ids=None, static=False)
+    for i, (pair, want) in enumerate(zip(turns, (["4", "6"], ["10", "2"]))):
+        messages: list[dict[str, str]] = []
+        for turn, number in zip(pair, want):
+            messages.append({"role": "user", "content": turn})
+            toks = ev.plain_generate(runner, ev.encode_prompt(tok, messages), max_new_tokens=24, eos_ids=eos).tokens
+            assert toks[-1] in eos
+            messages.append({"role": "assistant", "content": tok.decode(toks[:-1], skip_special_tokens=True).strip()})
+            assert number in messages[-1]["content"]
+        assert got[str(i)] == messages
