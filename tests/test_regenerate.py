@@ -7,6 +7,7 @@ import json
 import pytest
 
 import eyas.evaluate as ev
+from eyas.datasets import resolve_source
 from eyas.errors import EyasError
 from eyas.regenerate import CONVERSATIONS, regenerate
 from eyas.verifier import build_text_model, load_tokenizer, resolve
@@ -89,6 +90,19 @@ def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp
     # a rerun with the same inputs and settings skips itself
     assert regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW,
                       batch_size=2)["created"] == m["created"]  # fmt: skip
+    # other settings: the old manifest goes first, so a crash never leaves it vouching for new answers
+    import eyas.regenerate as rg
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rg, "_answer", crash)
+        with pytest.raises(KeyboardInterrupt):
+            regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW + 1)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(EyasError, match="unfinished `eyas regenerate` output"):
+        resolve_source(out)
 
 
 def test_interrupted_run_resumes_and_prepare_reads_the_answers(verifier, source, tmp_path, monkeypatch):
@@ -112,7 +126,7 @@ def test_interrupted_run_resumes_and_prepare_reads_the_answers(verifier, source,
     with pytest.raises(KeyboardInterrupt):
         regenerate(out=str(out), **kw)
     assert not (out / CONVERSATIONS).exists()  # nothing that looks finished
-    with pytest.raises(EyasError, match="unfinished `eyas regenerate` output; run the same command again"):
+    with pytest.raises(EyasError, match="unfinished `eyas regenerate` output .*; run the same command again"):
         prepare(verifier=verifier["path"], data=str(out), out=str(tmp_path / "prep"))
     calls.clear()
     monkeypatch.setattr(rg, "_answer", answer)

@@ -257,8 +257,9 @@ def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet |
 
         if (p / CONVERSATIONS).is_file() and _stage(p) == "regenerate":  # an `eyas regenerate` output: its data
             return f"{p} (eyas regenerate)", [p / CONVERSATIONS], None
-        if not (p / MANIFEST).is_file() and any((p / ".parts").glob("*/*.records")):
-            raise EyasError(f"{p} is an unfinished `eyas regenerate` output; run the same command again to finish it")
+        if (p / ".parts").is_dir() and not (p / MANIFEST).is_file():  # work in parts, no manifest yet
+            raise EyasError(f"{p} is an unfinished `eyas regenerate` output (or another stage's); run the same "
+                            "command again to finish it")  # fmt: skip
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SOURCE_SUFFIXES))
         if not files:
             raise EyasError(f"{p} holds no .json, .jsonl or .parquet files")

@@ -32,8 +32,8 @@ import torch
 
 from eyas import dist
 from eyas.errors import EyasError
-from eyas.manifest import (OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json, write_json,
-                           write_manifest)
+from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
+                           write_json, write_manifest)
 
 #: The output's conversations, one JSON object a line (what ``eyas prepare`` reads from a regenerate folder).
 CONVERSATIONS = "conversations.jsonl"
@@ -143,6 +143,8 @@ def regenerate(
                         if old != parts:
                             shutil.rmtree(old, ignore_errors=True)
                 parts.mkdir(parents=True, exist_ok=True)
+                # an older output's manifest would vouch for the new conversations a crash could leave beside it
+                (out_dir / MANIFEST).unlink(missing_ok=True)
                 return True
 
             if not d.run_on_main(open_out):
