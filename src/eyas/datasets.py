@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, atomic_path, read_manifest
+from eyas.manifest import MANIFEST, atomic_path, read_json, read_manifest
 
 PREPARED_ROWS = "rows"
 PREPARED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "row_id")
@@ -269,8 +269,8 @@ def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet |
 
 def _stage(folder: Path) -> str | None:
     """The stage whose manifest ``folder`` holds, if any."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return json.loads((folder / MANIFEST).read_text()).get("stage")
+    with contextlib.suppress(EyasError, OSError, AttributeError):  # missing or unreadable: no stage
+        return read_json(folder / MANIFEST, what="manifest").get("stage")
     return None
 
 

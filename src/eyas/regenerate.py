@@ -171,18 +171,19 @@ def regenerate(
                 if missing:
                     raise EyasError(f"{out_dir}: part(s) {missing[:5]} were not written by any rank; run again")
                 totals = dict.fromkeys(_COUNTS, 0)
-                for p in range(n_parts):
-                    for k, v in json.loads(_part_path(parts, p).read_text())["counts"].items():
-                        totals[k] += v
-                if totals["conversations"] == 0:
-                    raise EyasError(f"the verifier answered none of the {len(prompts)} prompts of {report.source}: "
-                                    f"every first answer was empty ({totals['empty_answers']}) or its prompt too "
-                                    f"long ({totals['prompt_too_long']})")  # fmt: skip
-                # the parts stay until the manifest is written: until then the folder is refused as data
+                # one pass over the parts; the parts stay until the manifest is written (until then the folder
+                # is refused as data), and an error below leaves no conversations file (atomic_path drops it)
                 with atomic_path(out_dir / CONVERSATIONS) as tmp, open(tmp, "w", encoding="utf-8") as f:
                     for p in range(n_parts):
-                        for rec in json.loads(_part_path(parts, p).read_text())["records"]:
+                        part = json.loads(_part_path(parts, p).read_text())
+                        for k, v in part["counts"].items():
+                            totals[k] += v
+                        for rec in part["records"]:
                             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    if totals["conversations"] == 0:
+                        raise EyasError(f"the verifier answered none of the {len(prompts)} prompts of "
+                                        f"{report.source}: every first answer was empty ({totals['empty_answers']}) "
+                                        f"or its prompt too long ({totals['prompt_too_long']})")  # fmt: skip
                 outputs = {"prompts": len(prompts), "rows_in": report.rows_in, **totals}
                 m = write_manifest(
                     out_dir, stage="regenerate", inputs=inputs, settings=settings, outputs=outputs,
@@ -222,15 +223,17 @@ def _regenerate_parts(prompts, mine: list[int], parts: Path, d, *, info, tok, se
         model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
         backend = LocalVerifier(model, tok, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
                                 temperature=temperature, batch_size=batch_size)  # fmt: skip
-    total = sum(len(prompts[p * PART : (p + 1) * PART]) for p in mine)
+    def chunk(p: int) -> list:
+        return prompts[p * PART : (p + 1) * PART]
+
     desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
-    with tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, dynamic_ncols=True, disable=not d.is_main) as bar:
-        bar.update(total - sum(len(prompts[p * PART : (p + 1) * PART]) for p in todo))  # finished earlier
+    with tqdm(total=sum(len(chunk(p)) for p in mine), desc=desc, unit="prompt", file=sys.stderr,
+              dynamic_ncols=True, disable=not d.is_main) as bar:  # fmt: skip
+        bar.update(sum(len(chunk(p)) for p in mine if p not in todo))  # finished earlier
         for p in todo:
             # seeded per part: a resumed run (or another rank count) samples the answers of an uninterrupted one
             gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + p)
-            write_json(_part_path(parts, p), _answer(prompts[p * PART : (p + 1) * PART], backend, max_turns=max_turns,
-                                                     generator=gen, bar=bar))  # fmt: skip
+            write_json(_part_path(parts, p), _answer(chunk(p), backend, max_turns=max_turns, generator=gen, bar=bar))
     return len(mine) - len(todo)
 
 
