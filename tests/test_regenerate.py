@@ -49,27 +49,34 @@ def verifier(make_tiny, monkeypatch, request):
     return {"path": str(t.path), "tok": tok, "model": model, "eos": eos}
 
 
-def _reference(v) -> dict[str, list[dict[str, str]]]:
-    """Each prompt decoded alone with eval's plain decoding (its own KV cache, no padding), turn by turn."""
-    runner = ev.VerifierRunner(v["model"], aux_layer_ids=None, static=False)
+def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limit: int):
+    """Each prompt decoded alone with eval's plain decoding (its own KV cache, no padding), turn by turn, with
+    regenerate's rules: a prompt past ``limit`` or an empty answer ends the conversation before that turn, a cut
+    answer after it."""
+    runner = ev.VerifierRunner(model, aux_layer_ids=None, static=False)
     out = {}
-    for i, turns in enumerate(TURNS):
+    for pid, turns in prompts.items():
         messages: list[dict[str, str]] = []
         for turn in turns:
-            ids = ev.encode_prompt(v["tok"], messages + [{"role": "user", "content": turn}])
-            if len(ids) + NEW > 1024:
+            ids = ev.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
+            if len(ids) + new > limit:
                 break
-            toks = ev.plain_generate(runner, ids, max_new_tokens=NEW, eos_ids=v["eos"]).tokens
-            finished = toks[-1] in v["eos"]
-            text = v["tok"].decode(toks[:-1] if finished else toks, skip_special_tokens=True).strip()
+            toks = ev.plain_generate(runner, ids, max_new_tokens=new, eos_ids=eos).tokens
+            finished = toks[-1] in eos
+            text = tok.decode(toks[:-1] if finished else toks, skip_special_tokens=True).strip()
             if not text:
                 break
             messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
             if not finished:
                 break
         if messages:
-            out[f"p{i}"] = messages
+            out[pid] = messages
     return out
+
+
+def _tiny_reference(v) -> dict[str, list[dict[str, str]]]:
+    return _reference(v["model"], v["tok"], v["eos"], {f"p{i}": t for i, t in enumerate(TURNS)}, new=NEW,
+                      limit=1024)  # fmt: skip
 
 
 def _read(out) -> dict[str, list[dict[str, str]]]:
@@ -80,7 +87,7 @@ def _read(out) -> dict[str, list[dict[str, str]]]:
 def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp_path):
     out = tmp_path / "regen"
     m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=2)
-    got, want = _read(out), _reference(verifier)
+    got, want = _read(out), _tiny_reference(verifier)
     assert got == want
     answers = [sum(msg["role"] == "assistant" for msg in c) for c in got.values()]
     assert max(answers) >= 2 and min(answers) == 1  # a second turn followed a finished answer; a cut one ended
@@ -206,7 +213,7 @@ def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, sour
     finally:
         srv.shutdown()
         srv.server_close()  # the port now refuses connections
-    assert _read(out) == _reference(verifier)
+    assert _read(out) == _tiny_reference(verifier)
     assert m["outputs"]["prompt_too_long"] == 1 and m["settings"]["server"]["url"].startswith("http://127.0.0.1:")
     assert auth and set(auth) == {"Bearer sekret-7f3a"}
     said = capsys.readouterr()
@@ -258,14 +265,18 @@ def test_smollm2_answers_both_turns_and_ends_each_itself(smollm2_path, smollm2_m
     assert m["outputs"]["answers"] == 4 and m["outputs"]["cut_at_max_new_tokens"] == 0
     got = _read(tmp_path / "out")
     tok = load_tokenizer(resolve(smollm2_path))
-    eos = ev.end_of_turn_ids(tok)
-    runner = ev.VerifierRunner(smollm2_model, aux_layer_ids=None, static=False)
-    for i, (pair, want) in enumerate(zip(turns, (["4", "6"], ["10", "2"]))):
-        messages: list[dict[str, str]] = []
-        for turn, number in zip(pair, want):
-            messages.append({"role": "user", "content": turn})
-            toks = ev.plain_generate(runner, ev.encode_prompt(tok, messages), max_new_tokens=24, eos_ids=eos).tokens
-            assert toks[-1] in eos
-            messages.append({"role": "assistant", "content": tok.decode(toks[:-1], skip_special_tokens=True).strip()})
-            assert number in messages[-1]["content"]
-        assert got[str(i)] == messages
+    want = _reference(smollm2_model, tok, ev.end_of_turn_ids(tok), {str(i): t for i, t in enumerate(turns)},
+                      new=24, limit=smollm2_model.config.max_position_embeddings)  # fmt: skip
+    assert got == want
+    for conv, numbers in zip(want.values(), (["4", "6"], ["10", "2"])):  # both turns answered, and rightly
+        said = [m["content"] for m in conv if m["role"] == "assistant"]
+        assert len(said) == 2 and all(n in a for n, a in zip(numbers, said))
+
+
+def test_no_answer_at_all_is_an_error_and_writes_nothing(make_tiny, source, tmp_path):
+    """The tiny random Gemma answers with special tokens only: every answer is empty (one prompt is too long)."""
+    out = tmp_path / "none"
+    with pytest.raises(EyasError, match=r"answered none of the 5 prompts .* empty \(4\) or its prompt too long \(1\)"):
+        regenerate(verifier=str(make_tiny("gemma").path), data=str(source), out=str(out), max_new_tokens=NEW)
+    assert not (out / CONVERSATIONS).exists() and not (out / "manifest.json").exists()
+    assert not list(out.glob(".*.tmp-*"))  # nor a temporary beside them
