@@ -1,19 +1,18 @@
 """Speculative decoding with `eyas eval`'s loop against plain decoding of the same prompts, in the same run.
 
-Goal (issue 7): report tau and the speedup over the *fastest* plain decoding at batch size 1 on one H200 with
-SmolLM2-135M-Instruct: plain decoding through the same static cache and compiled forward as the speculative
-loop, and transformers' own `generate` with a static cache (which compiles itself on CUDA); the speedup is
-taken against whichever is faster.
+Report tau and the speedup over the *fastest* plain decoding at batch size 1 on one H200 with
+SmolLM2-135M-Instruct: plain decoding through the same engine as the speculative loop (eyas.generate: slot
+cache, CUDA graphs), and transformers' own `generate` with a static cache (which compiles itself on CUDA); the
+speedup is taken against whichever is faster.
 
     # GPU, SmolLM2 GGUF, 8 MT-Bench questions (both turns), 256 new tokens, K=3; a random draft unless --draft:
     PYTHONPATH=src:/tmp/site python3 bench/eval_speedup.py --verifier /tmp/g/smol.gguf \\
-        --prompts bench/mt_bench_question.jsonl --modes none,reduce-overhead [--draft DIR]
-    # anywhere (CPU, tiny random Llama, eager and compiled): checks that the script works
+        --prompts mt-bench --modes graphs,eager [--draft DIR]
+    # anywhere (CPU, tiny random Llama): checks that the script works
     PYTHONPATH=src python3 bench/eval_speedup.py --smoke
 
-Each mode (`none`: eager with a dynamic cache; `default` / `reduce-overhead`: torch.compile over static
-caches, the latter with CUDA graphs) loads nothing again: one verifier and one draft serve all of them.
-Prints one JSON line per mode and a final summary line.
+Each mode (`graphs`: every fixed-shape forward a CUDA graph; `eager`: none) loads nothing again: one
+verifier and one draft serve all of them. Prints one JSON line per mode and a final summary line.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=3)
-    ap.add_argument("--modes", default="none,reduce-overhead", help="comma-separated: none, default, reduce-overhead")
+    ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
     ap.add_argument("--hf-generate", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
@@ -102,7 +101,7 @@ def main() -> None:
     prompts = args.prompts
     if args.smoke:
         args.verifier, args.device = str(tiny_verifier(Path(tmp.name) / "tiny")), "cpu"
-        args.max_new_tokens, args.modes = 16, "none,default"
+        args.max_new_tokens, args.modes = 16, "graphs,eager"
         prompts = ["Tell me about dogs.", ["What is 2+2?", "And 3+3?"]]
         torch.set_num_threads(1)
 
@@ -122,15 +121,15 @@ def main() -> None:
         row = {"mode": mode, **common}
         try:
             t0 = time.perf_counter()
-            runners = Runners.build(env["model"], env["draft"], draft_tokens=K, static=mode != "none",
-                                    compile_mode=None if mode == "none" else mode, max_len=bound)  # fmt: skip
+            runners = Runners.build(env["model"], env["draft"], draft_tokens=[K], max_len=bound,
+                                    cuda_graphs=mode == "graphs")  # fmt: skip
             row["warmup_s"] = round(time.perf_counter() - t0, 1)
             m = measure(plist, tok, runners, max_new_tokens=args.max_new_tokens, eos_ids=env["eos_ids"],
                         seed=args.seed, desc=f"mode {mode}")  # fmt: skip
             turn_ids = m.turn_ids
             s = summarize(m, draft_tokens=K, temperature=0.0, baseline=True)
             row.update(s)
-            row["baseline"] = "eyas plain loop, same forward and cache"
+            row["baseline"] = "eyas plain loop, same engine"
         except Exception as e:  # one mode failing (e.g. a compiler error) must not hide the others
             row["error"] = f"{type(e).__name__}: {e}"
             row["traceback"] = traceback.format_exc(limit=6)

@@ -11,21 +11,25 @@ import torch
 import eyas.evaluate as ev
 from eyas.evaluate import (
     DraftRunner,
-    VerifierRunner,
     acceptance_stats,
     plain_generate,
     predicted_tau,
     random_draft,
-    sliding_rollback_supported,
     speculative_generate,
     ttt_chain_lengths,
     verify_greedy,
     verify_sampled,
 )
+from eyas.generate import SequenceDecoder
 from eyas.verifier import build_text_model, forward_hidden_states, load_tokenizer, resolve
 
 PROMPTS = ["Tell me about dogs.", "What is 2+2?", "Write some python code"]
 K = 3
+
+
+def _verifier(model, aux_layer_ids=None, capacity: int = 1024) -> SequenceDecoder:
+    """eval's decoder of one sequence (slot cache; CUDA graphs where there is a GPU)."""
+    return SequenceDecoder(model, capacity=capacity, aux_layer_ids=aux_layer_ids)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,7 +156,7 @@ def setups(make_tiny):
         prompts = [ev.encode_prompt(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
         # Fitted draft: a short TTT fit on the verifier's own greedy answers to these prompts (their first 24
         # tokens), so acceptance is high there and falls off past them: rounds with 0, some and all K accepted.
-        base = VerifierRunner(model, aux_layer_ids=None, static=False)
+        base = _verifier(model, None)
         rows = [ids + plain_generate(base, ids, max_new_tokens=24, eos_ids=set()).tokens for ids in prompts]
         L = min(map(len, rows))
         seqs = torch.tensor([r[:L] for r in rows])
@@ -170,20 +174,19 @@ def setups(make_tiny):
 def test_greedy_speculative_decoding_is_lossless(setups, name):
     t, info, model, eos, prompts, drafts = setups(name)
     reference = t.reference()  # transformers' own model from the in-memory weights, independent of eyas's loading
-    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    base = _verifier(model, None)
     taus = {}
     for kind, draft in drafts.items():
-        spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+        spec = _verifier(model, draft.config.aux_layer_ids)
         dr = DraftRunner(draft)
         accepted = []
         for ids in prompts:
-            with spec:
-                out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+            out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
             plain = plain_generate(base, ids, max_new_tokens=40, eos_ids=eos)
             assert out.tokens == plain.tokens, f"{name}/{kind}: speculative output differs from greedy"
             ref = _hf_greedy(reference, ids, 40, eos)
             assert plain.tokens == ref, f"{name}: our greedy loop differs from transformers generate"
-            assert sum(a + 1 for a in out.accepted) + 1 >= len(out.tokens)  # every token came from a round
+            assert sum(out.produced) + 1 == len(out.tokens)  # every kept token came from a round (or the prefill)
             accepted += out.accepted
         taus[kind] = acceptance_stats(accepted, K)
     assert taus["random"]["tau"] < 1.3
@@ -193,39 +196,49 @@ def test_greedy_speculative_decoding_is_lossless(setups, name):
     assert hist[K] > 0 and hist[0] + sum(hist[1:K]) > 0, hist  # full acceptance (bonus) and rejections
 
 
-def test_static_cache_is_lossless_and_matches_dynamic(setups):
+def test_tau_counts_only_the_tokens_kept(setups):
+    """A turn's last round may accept drafts past ``max_new_tokens`` (or past the end-of-turn token): those are
+    dropped from the output and not counted, so tau is exactly kept tokens per verification round."""
+    _, info, model, eos, prompts, drafts = setups("llama")
+    spec, dr = _verifier(model, drafts["fitted"].config.aux_layer_ids), DraftRunner(drafts["fitted"])
+    cut = 0
+    for new in range(2, 12):
+        out = speculative_generate(spec, dr, prompts[0], max_new_tokens=new, draft_tokens=K, eos_ids=set())
+        assert len(out.tokens) == new and sum(out.produced) + 1 == new
+        assert all(p <= a + 1 and a <= p for a, p in zip(out.accepted, out.produced))
+        cut += out.produced[-1] < out.accepted[-1] + 1 or out.accepted[-1] < K and out.produced[-1] == out.accepted[-1]
+        stats = acceptance_stats(out.accepted, K, produced=out.produced)
+        assert stats["tau"] == pytest.approx((new - 1) / len(out.accepted))
+    assert cut > 0  # some last round did make more than it kept
+
+
+def test_one_decoder_serves_every_prompt(setups):
+    """A decoder reused across prompts (each prompt rolls it back to position 0) decodes exactly what a fresh
+    decoder per prompt does, speculatively and plainly."""
     _, info, model, eos, prompts, drafts = setups("llama")
     draft = drafts["fitted"]
-    outs = {}
-    for static in (False, True):
-        spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=static)
-        base = VerifierRunner(model, aux_layer_ids=None, static=static)
-        dr = DraftRunner(draft)
-        outs[static] = []
-        for ids in prompts:  # one static cache serves every prompt: rollback to 0 between them
-            with spec:
-                out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+    shared = (_verifier(model, draft.config.aux_layer_ids), _verifier(model, None), DraftRunner(draft))
+    for ids in prompts + prompts[::-1]:
+        fresh = (_verifier(model, draft.config.aux_layer_ids), _verifier(model, None), DraftRunner(draft))
+        got = []
+        for spec, base, dr in (shared, fresh):
+            out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
             assert out.tokens == plain_generate(base, ids, max_new_tokens=40, eos_ids=eos).tokens
-            outs[static].append((out.tokens, out.accepted))
-    assert outs[True] == outs[False]
+            got.append((out.tokens, out.accepted))
+        assert got[0] == got[1]
 
 
 def test_sliding_window_verifier_rolls_back():
-    """A sliding-window verifier (Mistral, window 8 < the sequence): its dynamic cache is cropped on every round
-    and speculative decoding stays lossless; a static cache (circular buffer, no rollback) is refused."""
+    """A sliding-window verifier (Mistral, window 8 < the sequence): the slot attention masks keys past the
+    window, rolls back across it, and speculative decoding stays lossless, equal to transformers' generate."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from eyas.errors import EyasError
     from eyas.model import DraftConfig, Eagle3Draft
 
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256)  # fmt: skip
     model = MistralForCausalLM(cfg).eval()
-    if not sliding_rollback_supported():  # transformers 5.17: refused with a clear error
-        with pytest.raises(EyasError, match="needs transformers >= 5.24"):
-            VerifierRunner(model, aux_layer_ids=None, static=False)
-        return
     dcfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        vocab_size=64, draft_vocab_size=64, aux_layer_ids=[1, 2, 3])  # fmt: skip
     draft = Eagle3Draft(dcfg)
@@ -233,25 +246,22 @@ def test_sliding_window_verifier_rolls_back():
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
     prompts = [[1, 5, 9, 3], [7, 2, 2, 40, 11]]
-    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    base = _verifier(model, None)
     rows = [p + plain_generate(base, p, max_new_tokens=30, eos_ids=set()).tokens for p in prompts]
     seqs = torch.tensor([r[:34] for r in rows])
     aux, _ = forward_hidden_states(model, seqs, layer_ids=[1, 2, 3])
     with torch.no_grad():
         target = model(seqs).logits.argmax(-1)
     _fit(draft, seqs, aux, target, steps=100, lr=1e-2, ttt=K)
-    spec = VerifierRunner(model, aux_layer_ids=[1, 2, 3], static=False)
+    spec = _verifier(model, [1, 2, 3])
     accepted = []
     for p in prompts:
-        with spec:
-            out = speculative_generate(spec, DraftRunner(draft), p, max_new_tokens=50, draft_tokens=K, eos_ids=set())
+        out = speculative_generate(spec, DraftRunner(draft), p, max_new_tokens=50, draft_tokens=K, eos_ids=set())
         plain = plain_generate(base, p, max_new_tokens=50, eos_ids=set())
         assert out.tokens == plain.tokens == _hf_greedy(model, p, 50, {0})
         accepted += out.accepted
     hist = acceptance_stats(accepted, K)["accepted_length_histogram"]
-    assert sum(hist[:K]) > 0 and hist[K] > 0, hist  # rejections (crops past the window) and full acceptances
-    with pytest.raises(EyasError, match="sliding-window"):
-        VerifierRunner(model, aux_layer_ids=None, static=True)
+    assert sum(hist[:K]) > 0 and hist[K] > 0, hist  # rejections (rollbacks past the window) and full acceptances
 
 
 def test_rollback_equals_a_fresh_run(setups):
@@ -259,11 +269,10 @@ def test_rollback_equals_a_fresh_run(setups):
     draft cache holds exactly what a fresh pass over the verifier's states of the final sequence computes."""
     _, info, model, eos, prompts, drafts = setups("qwen3")
     draft = drafts["fitted"]
-    spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    spec = _verifier(model, draft.config.aux_layer_ids)
     dr = DraftRunner(draft)
     ids = prompts[2]
-    with spec:
-        out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
+    out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
     rounds = [r for r in range(1, len(out.accepted)) if out.accepted[r - 1] < K]  # rounds right after a rejection
     assert rounds, out.accepted
     emitted = 1  # tokens emitted before round r: the prefill's token, then a + 1 per round
@@ -271,12 +280,11 @@ def test_rollback_equals_a_fresh_run(setups):
     for a in out.accepted:
         starts.append(emitted)
         emitted += a + 1
-    fresh_spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    fresh_spec = _verifier(model, draft.config.aux_layer_ids)
     fresh_dr = DraftRunner(draft)
     for r in rounds[:4]:
         prefix = ids + out.tokens[: starts[r] - 1]  # a fresh run re-emits token starts[r]-1 from its prefill
-        with fresh_spec:
-            fresh = speculative_generate(fresh_spec, fresh_dr, prefix, max_new_tokens=2, draft_tokens=K, eos_ids=set())
+        fresh = speculative_generate(fresh_spec, fresh_dr, prefix, max_new_tokens=2, draft_tokens=K, eos_ids=set())
         assert fresh.tokens[0] == out.tokens[starts[r] - 1]
         assert fresh.proposals[0] == out.proposals[r], f"round {r}"
     # The cache after the run: positions 0..m-1 valid, each computed from the verifier's state there.
@@ -297,12 +305,11 @@ def test_ttt_predicts_the_accepted_length_of_every_round(setups):
     eval measures the function training optimises."""
     _, info, model, eos, prompts, drafts = setups("llama")
     draft = drafts["fitted"]
-    spec = VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
+    spec = _verifier(model, draft.config.aux_layer_ids)
     dr = DraftRunner(draft)
     checked = set()
     for ids in prompts:
-        with spec:
-            out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
+        out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=set())
         seq = torch.tensor(ids + out.tokens)
         aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
         with torch.no_grad():
@@ -355,15 +362,14 @@ def test_sampled_speculative_decoding_follows_the_verifier():
 
     def pvalue() -> tuple[float, dict]:
         g = torch.Generator().manual_seed(0)
-        spec, dr = VerifierRunner(model, aux_layer_ids=[0, 1, 2], static=False), DraftRunner(draft)
+        spec, dr = _verifier(model, [0, 1, 2]), DraftRunner(draft)
         D = torch.zeros(V, dtype=torch.float64)
         C = torch.zeros(V, V, dtype=torch.float64)
         accepted = []
         for r in range(16):
             prompt = [r % V, (r // V) % V, 5]
-            with spec:
-                out = speculative_generate(spec, dr, prompt, max_new_tokens=100, draft_tokens=2, eos_ids=set(),
-                                           temperature=1.0, generator=g)  # fmt: skip
+            out = speculative_generate(spec, dr, prompt, max_new_tokens=100, draft_tokens=2, eos_ids=set(),
+                                       temperature=1.0, generator=g)  # fmt: skip
             accepted += out.accepted
             with torch.no_grad():
                 p = torch.softmax(model(torch.tensor([prompt + out.tokens])).logits[0, 2:-1].double(), -1)  # [n, V]
@@ -394,10 +400,9 @@ def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos
     ids = ev.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
     draft = random_draft(info, seed=0)
-    spec = VerifierRunner(smollm2_model, aux_layer_ids=draft.config.aux_layer_ids, static=False)
-    base = VerifierRunner(smollm2_model, aux_layer_ids=None, static=False)
-    with spec:
-        out = speculative_generate(spec, DraftRunner(draft), ids, max_new_tokens=16, draft_tokens=K, eos_ids=eos)
+    spec = _verifier(smollm2_model, draft.config.aux_layer_ids)
+    base = _verifier(smollm2_model, None)
+    out = speculative_generate(spec, DraftRunner(draft), ids, max_new_tokens=16, draft_tokens=K, eos_ids=eos)
     plain = plain_generate(base, ids, max_new_tokens=16, eos_ids=eos)
     assert out.tokens == plain.tokens
     assert plain.tokens == _hf_greedy(smollm2_model, ids, 16, eos)
@@ -435,7 +440,7 @@ def test_offline_prediction_from_features(setups, tmp_path):
 
     t, info, model, eos, prompts, drafts = setups("llama")
     draft = drafts["fitted"]
-    base = VerifierRunner(model, aux_layer_ids=None, static=False)
+    base = _verifier(model, None)
     rows = []
     for ids in prompts:
         answer = plain_generate(base, ids, max_new_tokens=40, eos_ids=eos).tokens
@@ -474,11 +479,31 @@ def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
         return torch.full(draft_tokens.shape[:1], draft_tokens.shape[1]), target_logits[:, -1].argmax(-1)
 
     monkeypatch.setattr(ev, "verify_greedy", accept_all)
-    report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=12)
-    assert report["lossless"] is False and report["tau"] == K + 1
+    report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=12,
+                         recheck_fp32=True)  # fmt: skip
+    # 12 tokens: the prefill's, then 3 rounds of K + 1 of which the last keeps 3
+    assert report["lossless"] is False and report["tau"] == pytest.approx(11 / 3)
     (bad,) = report["mismatches"]
     assert bad["first_difference"] == 1  # the first token comes from the prefill; the first draft is wrong
     assert bad["logit_gap"] > 0.01 and bad["plain_token"] != bad["spec_token"]
+    assert bad["kind"] == "real" and bad["fp32"] == "differ"  # not a near-tie: fp32 decoding differs as well
+
+
+def test_a_near_tie_is_told_from_a_real_difference(setups):
+    """The logit gap at a first difference is judged against the compute dtype's resolution: bf16 rounds a
+    gap of a few hundredths at logits near 10 away, fp32 does not."""
+    _, info, model, eos, prompts, drafts = setups("llama")
+    ids = prompts[0]
+    plain = plain_generate(_verifier(model, None), ids, max_new_tokens=4, eos_ids=set()).tokens
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    assert ev._divergence(model, ids, plain, [runner_up], 0)["kind"] == "real"  # fp32: any clear gap is real
+    wide = ev._divergence(model.to(torch.bfloat16), ids, plain, [runner_up], 0)
+    gap = abs(wide["logit_gap"])
+    tolerance = 2 * 2**-7 * max(abs(float(logits[plain[0]])), abs(float(logits[runner_up])), 1.0)
+    assert wide["kind"] == ("near-tie" if gap <= tolerance else "real")
+    model.float()
 
 
 def test_eval_cli(make_tiny, tmp_path, capsys):
@@ -488,9 +513,11 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"question_id": 7, "turns": ["Hi there.", "And again?"]}) + "\n")
     assert main(["eval", "--verifier", str(t.path), "--draft", "random", "--prompts", str(src), "--max-new-tokens",
-                 "6", "--draft-tokens", "2", "--out", str(tmp_path / "rep")]) == 0  # fmt: skip
+                 "6", "--draft-tokens", "2,4", "--out", str(tmp_path / "rep")]) == 0  # fmt: skip
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["num_turns"] == 2 and report["draft_tokens"] == 2 and report["lossless"] is True
+    by_k = report["by_draft_tokens"]
+    assert set(by_k) == {"2", "4"} and by_k["2"]["tau"] == report["tau"] and len(by_k["4"]["acceptance_per_position"]) == 4
     assert (tmp_path / "rep" / "accepted_lengths.png").is_file()
     assert main(["eval", "--verifier", str(t.path), "--draft", str(tmp_path / "nope"), "--prompts", str(src)]) == 2
     assert "nope" in capsys.readouterr().err

@@ -7,8 +7,10 @@ import json
 import pytest
 
 import eyas.evaluate as ev
+import eyas.generate as gen
 from eyas.datasets import resolve_source
 from eyas.errors import EyasError
+from eyas.generate import SequenceDecoder
 from eyas.regenerate import CONVERSATIONS, regenerate
 from eyas.verifier import build_text_model, load_tokenizer, resolve
 
@@ -40,25 +42,24 @@ def verifier(make_tiny, monkeypatch, request):
     info = resolve(t.path)
     tok = load_tokenizer(info)
     model = build_text_model(info)
-    real = ev.end_of_turn_ids(tok)
-    runner = ev.VerifierRunner(model, aux_layer_ids=None, static=False)
-    first = ev.plain_generate(runner, ev.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
+    real = gen.end_of_turn_ids(tok)
+    first = ev.plain_generate(SequenceDecoder(model, capacity=1024), gen.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
                               max_new_tokens=NEW, eos_ids=set()).tokens  # fmt: skip
     eos = real | {first[3]}
-    monkeypatch.setattr(ev, "end_of_turn_ids", lambda _tok: eos)
+    monkeypatch.setattr(gen, "end_of_turn_ids", lambda _tok: eos)
     return {"path": str(t.path), "tok": tok, "model": model, "eos": eos}
 
 
 def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limit: int):
-    """Each prompt decoded alone with eval's plain decoding (its own KV cache, no padding), turn by turn, with
+    """Each prompt decoded alone with eval's plain decoding (one sequence, nothing batched), turn by turn, with
     regenerate's rules: a prompt past ``limit`` or an empty answer ends the conversation before that turn, a cut
     answer after it."""
-    runner = ev.VerifierRunner(model, aux_layer_ids=None, static=False)
+    runner = SequenceDecoder(model, capacity=limit)
     out = {}
     for pid, turns in prompts.items():
         messages: list[dict[str, str]] = []
         for turn in turns:
-            ids = ev.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
+            ids = gen.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
             if len(ids) + new > limit:
                 break
             toks = ev.plain_generate(runner, ids, max_new_tokens=new, eos_ids=eos).tokens
@@ -86,7 +87,9 @@ def _read(out) -> dict[str, list[dict[str, str]]]:
 @pytest.mark.parametrize("verifier", ["llama", "qwen3", "kimi_like"], indirect=True)  # kimi_like: nested, MoE
 def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp_path):
     out = tmp_path / "regen"
-    m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=2)
+    # two sequences decode at once: answers finish at different times and later turns take the free slots
+    kw = dict(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_tokens=2048)
+    m = regenerate(**kw)
     got, want = _read(out), _tiny_reference(verifier)
     assert got == want
     answers = [sum(msg["role"] == "assistant" for msg in c) for c in got.values()]
@@ -95,8 +98,7 @@ def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp
     assert o["prompts"] == 5 and o["conversations"] == len(want) == 4 and o["prompt_too_long"] == 1
     assert o["answers"] == sum(answers) and 0 < o["cut_at_max_new_tokens"] < o["answers"]
     # a rerun with the same inputs and settings skips itself
-    assert regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW,
-                      batch_size=2)["created"] == m["created"]  # fmt: skip
+    assert regenerate(**kw)["created"] == m["created"]
     # other settings: the old manifest goes first, so a crash never leaves it vouching for new answers
     import eyas.regenerate as rg
 
@@ -104,60 +106,81 @@ def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp
         raise KeyboardInterrupt
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rg, "_answer", crash)
+        mp.setattr(rg, "_converse", crash)
         with pytest.raises(KeyboardInterrupt):
-            regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW + 1)
+            regenerate(**{**kw, "max_new_tokens": NEW + 1})
     assert not (out / "manifest.json").exists()
     with pytest.raises(EyasError, match="unfinished `eyas regenerate` output"):
         resolve_source(out)
 
 
-def test_interrupted_run_resumes_and_prepare_reads_the_answers(verifier, source, tmp_path, monkeypatch):
-    import eyas.regenerate as rg
+def test_killed_run_resumes_with_nothing_lost_or_repeated(make_tiny, tmp_path):
+    """kill -9 in the middle of a run (in a subprocess, at a random moment once some conversations are
+    journaled, with its last journal line cut as a kill in mid-write leaves it), then the same command: the
+    conversations equal an uninterrupted run's (sampled, seeded per prompt and turn), each exactly once, and
+    prepare reads them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
     from eyas.data import prepare
     from eyas.datasets import load_prepared
 
-    monkeypatch.setattr(rg, "PART", 2)  # three parts of work
-    kw = dict(verifier=verifier["path"], data=str(source), max_new_tokens=NEW, batch_size=3, temperature=0.8, seed=5)
-    regenerate(out=str(tmp_path / "whole"), **kw)
-    calls, answer = [], rg._answer
-
-    def crash_on_third_part(prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return answer(prompts, *args, **kwargs)
-
-    monkeypatch.setattr(rg, "_answer", crash_on_third_part)
-    out = tmp_path / "resumed"
-    with pytest.raises(KeyboardInterrupt):
-        regenerate(out=str(out), **kw)
-    assert not (out / CONVERSATIONS).exists()  # nothing that looks finished
-    with pytest.raises(EyasError, match="unfinished `eyas regenerate` output .*; run the same command again"):
-        prepare(verifier=verifier["path"], data=str(out), out=str(tmp_path / "prep"))
-    calls.clear()
-    monkeypatch.setattr(rg, "_answer", answer)
+    t = make_tiny("llama")
+    src = tmp_path / "many.jsonl"
+    n = 120
+    src.write_text("".join(json.dumps({"id": f"q{i}", "turns": [f"Question {i}: " + "why " * (i % 9), "More?"]})
+                           + "\n" for i in range(n)))  # fmt: skip
+    kw = dict(verifier=str(t.path), data=str(src), max_new_tokens=12, temperature=0.8, seed=5, batch_tokens=4096,
+              device="cpu")  # fmt: skip
+    whole = regenerate(out=str(tmp_path / "whole"), **kw)
+    out = tmp_path / "killed"
+    code = f"from eyas.regenerate import regenerate; regenerate(out={str(out)!r}, **{kw!r})"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(rg_file()).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    journal = None
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out.glob(".parts/*/journal-rank*.jsonl"))
+        if found and found[0].read_text().count("\n") >= 5:
+            journal = found[0]
+            break
+        time.sleep(0.01)
+    assert journal is not None and proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / CONVERSATIONS).exists() and not (out / "manifest.json").exists()  # nothing looks finished
+    with open(journal, "a") as f:
+        f.write('{"i": 7, "record": {"id": "q7", "messa')  # a line the kill cut in the middle
+    journaled = journal.read_text().count("\n")
+    assert 5 <= journaled < n
     m = regenerate(out=str(out), **kw)
-    assert m["timing"]["resumed_parts"] == 2
-    assert _read(out) == _read(tmp_path / "whole")  # sampled, seeded per part: the same answers
-    assert not (out / ".parts").exists()
+    assert m["timing"]["resumed_conversations"] == journaled
+    assert (out / CONVERSATIONS).read_text() == (tmp_path / "whole" / CONVERSATIONS).read_text()
+    assert m["outputs"] == whole["outputs"] and not (out / ".parts").exists()
+    ids = [json.loads(line)["id"] for line in (out / CONVERSATIONS).read_text().splitlines()]
+    assert ids == sorted(set(ids), key=lambda x: int(x[1:]))  # each once, in the prompts' order
 
-    prepare(verifier=verifier["path"], data=str(out), out=str(tmp_path / "prep"))
+    prepare(verifier=str(t.path), data=str(out), out=str(tmp_path / "prep"))
     ds, pm = load_prepared(tmp_path / "prep")
     assert pm["outputs"]["rows"] == m["outputs"]["conversations"]
-    tok = verifier["tok"]
-    lines = [json.loads(line) for line in (out / CONVERSATIONS).read_text().splitlines()]
-    for row in ds:
-        ids = [t for t, keep in zip(row["input_ids"], row["loss_mask"]) if keep]
-        said = "".join(msg["content"] for msg in lines[row["row_id"]]["messages"] if msg["role"] == "assistant")
-        # the masked tokens are the verifier's answers, each closed by its end-of-turn token
-        assert tok.decode(ids, skip_special_tokens=True).replace(" ", "") == said.replace(" ", "")
+
+
+def rg_file() -> str:
+    import eyas.regenerate as rg
+
+    return rg.__file__
 
 
 def test_bad_settings_are_refused_before_loading_anything(source, tmp_path):
-    for kw, match in [({"max_new_tokens": 0}, "--max-new-tokens"), ({"batch_size": 0}, "--batch-size"),
+    for kw, match in [({"max_new_tokens": 0}, "--max-new-tokens"), ({"concurrency": 0}, "--concurrency"),
                       ({"max_turns": 0}, "--max-turns"), ({"temperature": -1.0}, "--temperature"),
-                      ({"dtype": "int8"}, "--dtype")]:  # fmt: skip
+                      ({"dtype": "int8"}, "--dtype"), ({"max_new_tokens": 64, "max_seq_len": 64}, "no room"),
+                      ({"batch_tokens": 100}, "--batch-tokens 100 holds no sequence")]:  # fmt: skip
         with pytest.raises(EyasError, match=match):
             regenerate(verifier="no/such/dir", data=str(source), out=str(tmp_path / "x"), **kw)
 
@@ -171,7 +194,7 @@ def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, sour
     import eyas.regenerate as rg
 
     tok, eos = verifier["tok"], verifier["eos"]
-    runner = ev.VerifierRunner(verifier["model"], aux_layer_ids=None, static=False)
+    runner = SequenceDecoder(verifier["model"], capacity=1024)
     auth = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -193,7 +216,7 @@ def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, sour
             auth.append(self.headers.get("Authorization"))
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             assert self.path == "/v1/chat/completions" and req["model"] == "tiny-llama"
-            ids = ev.encode_prompt(tok, req["messages"])
+            ids = gen.encode_prompt(tok, req["messages"])
             if len(ids) + req["max_tokens"] > 1024:
                 return self._send(400, {"error": {"message": "This model's maximum context length is 1024 tokens"}})
             toks = ev.plain_generate(runner, ids, max_new_tokens=req["max_tokens"], eos_ids=eos).tokens
@@ -203,12 +226,12 @@ def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, sour
                                           "finish_reason": "stop" if done else "length"}],
                              "usage": {"completion_tokens": len(toks)}})  # fmt: skip
 
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one request at a time: the runner has one cache
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one request at a time: the runner has one sequence
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     monkeypatch.setenv("EYAS_TEST_KEY", "sekret-7f3a")
     out = tmp_path / "served"
     try:
-        m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_size=3,
+        m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, concurrency=1,
                        server=f"http://user:pw@127.0.0.1:{srv.server_port}/v1", api_key_env="EYAS_TEST_KEY")  # fmt: skip
     finally:
         srv.shutdown()
@@ -227,7 +250,7 @@ def test_server_answers_equal_local_ones_and_the_key_stays_secret(verifier, sour
 
 
 def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
-    """Under torchrun the parts are dealt out to the ranks; the conversations are those one process writes."""
+    """Under torchrun the prompts are dealt out to the ranks; the conversations are those one process writes."""
     import os
     import subprocess
     import sys
@@ -237,10 +260,10 @@ def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
 
     t = make_tiny("llama")
     src = tmp_path / "many.jsonl"
-    n = rg.PART + 6  # two parts: one for each rank
+    n = 14
     src.write_text("".join(json.dumps({"turns": [f"Question {i}: " + "why " * (i % 7), "More?"]}) + "\n"
                            for i in range(n)))  # fmt: skip
-    kw = {"max_new_tokens": 4, "batch_size": 8, "device": "cpu"}
+    kw = {"max_new_tokens": 4, "batch_tokens": 8192, "device": "cpu"}
     one = regenerate(verifier=str(t.path), data=str(src), out=str(tmp_path / "one"), **kw)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
            "regenerate", "--verifier", str(t.path), "--data", str(src), "--out", str(tmp_path / "two"),
@@ -256,17 +279,17 @@ def test_torchrun_two_cpu_ranks_equal_one_process(make_tiny, tmp_path):
 
 def test_smollm2_answers_both_turns_and_ends_each_itself(smollm2_path, smollm2_model, tmp_path):
     """The real SmolLM2 through its GGUF and chat template: short answers end at its own <|im_end|>, so the
-    second turn follows the first; batched (left-padded) answers equal eval's plain decoding of each alone."""
+    second turn follows the first; batched answers equal eval's plain decoding of each alone."""
     src = tmp_path / "q.jsonl"
     turns = [["What is 2 + 2? Reply with just the number.", "And 3 + 3? Reply with just the number."],
              ["What is 5 + 5? Reply with just the number.", "And 1 + 1? Reply with just the number."]]  # fmt: skip
     src.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
-    m = regenerate(verifier="smollm2", data=str(src), out=str(tmp_path / "out"), max_new_tokens=24, batch_size=2)
+    m = regenerate(verifier="smollm2", data=str(src), out=str(tmp_path / "out"), max_new_tokens=24)
     assert m["outputs"]["answers"] == 4 and m["outputs"]["cut_at_max_new_tokens"] == 0
     got = _read(tmp_path / "out")
     tok = load_tokenizer(resolve(smollm2_path))
-    want = _reference(smollm2_model, tok, ev.end_of_turn_ids(tok), {str(i): t for i, t in enumerate(turns)},
-                      new=24, limit=smollm2_model.config.max_position_embeddings)  # fmt: skip
+    want = _reference(smollm2_model, tok, gen.end_of_turn_ids(tok), {str(i): t for i, t in enumerate(turns)},
+                      new=24, limit=2048)  # fmt: skip
     assert got == want
     for conv, numbers in zip(want.values(), (["4", "6"], ["10", "2"])):  # both turns answered, and rightly
         said = [m["content"] for m in conv if m["role"] == "assistant"]

@@ -51,6 +51,10 @@ from eyas.manifest import MANIFEST, atomic_path, read_json, read_manifest
 PREPARED_ROWS = "rows"
 PREPARED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "row_id")
 
+#: An `eyas regenerate` output's conversations, one JSON object a line (OpenAI layout), read by `eyas prepare`.
+CONVERSATIONS = "conversations.jsonl"
+
+
 # --------------------------------------------------------------------------- named sets
 
 
@@ -253,8 +257,6 @@ def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet |
             raise EyasError(f"{p}: not a .json, .jsonl or .parquet file (or .json.gz / .jsonl.gz)")
         return str(p), [p], None
     if p.is_dir():
-        from eyas.regenerate import CONVERSATIONS
-
         if (p / CONVERSATIONS).is_file() and _stage(p) == "regenerate":  # an `eyas regenerate` output: its data
             return f"{p} (eyas regenerate)", [p / CONVERSATIONS], None
         if (p / ".parts").is_dir() and not (p / MANIFEST).is_file():  # work in parts, no manifest yet

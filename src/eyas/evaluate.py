@@ -14,7 +14,8 @@ follows vLLM's EAGLE proposer (``v1/spec_decode/llm_base_proposer.py``; notes
 - After verification the draft cache keeps only positions whose state came
   from the verifier: drafted entries are truncated and the accepted positions
   are recomputed from the verifier's hidden states (DESIGN "Inference caches").
-  The verifier's cache is cropped to the accepted prefix.
+  The verifier's cache rolls back to the accepted prefix (the next round feeds
+  from there: :class:`eyas.generate.SequenceDecoder`).
 
 Acceptance is greedy at ``T = 0`` (accept while the draft token is the
 verifier's argmax, then emit the verifier's token) and standard speculative
@@ -25,27 +26,25 @@ outputs follow the verifier's distribution.
 
 One prompt is decoded at a time (batch size 1, the latency setting speculative
 decoding is for); the baseline is plain decoding of the same prompts through
-the same forward and cache in the same run.
+the same engine (:mod:`eyas.generate`: slot cache, CUDA graphs) in the same
+run, on the bare model: the aux-state capture is attached only during the
+speculative loop's forwards and recorded only into its graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from eyas.errors import EyasError
+from eyas.generate import SequenceDecoder, device_and_dtype, encode_prompt, end_of_turn_ids
 from eyas.model import DraftConfig, Eagle3Draft
-from eyas.verifier import varying_shape_attention
-
-CompileMode = Literal["auto", "none", "default", "reduce-overhead"]
-CacheKind = Literal["auto", "static", "dynamic"]
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -88,164 +87,28 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
     return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
 
 
-# --------------------------------------------------------------------------- the verifier with a rollback cache
-
-
-def _set_cache_length(cache, length: int) -> None:
-    """Roll a transformers cache back to its first ``length`` positions.
-
-    A static cache keeps its buffers (their addresses are what CUDA graphs
-    captured) and only moves its write pointer: stale entries past it are
-    masked and then overwritten. A dynamic cache is cropped. Works on
-    transformers 5.17 (no ``StaticLayer.crop``) and newer ones.
-    """
-    from transformers import StaticCache
-
-    if isinstance(cache, StaticCache):
-        lengths = [layer.cumulative_length for layer in cache.layers if getattr(layer, "is_initialized", False)]
-        if lengths:  # two multi-tensor kernels for all layers, not one launch per layer (30 for SmolLM2)
-            torch._foreach_mul_(lengths, 0)
-            torch._foreach_add_(lengths, length)
-        return
-    current = int(cache.get_seq_length())
-    if current > length:
-        cache.crop(length - current)  # a negative count: the form every transformers 5 release accepts
-
-
-def has_sliding_window(config) -> bool:
-    """Whether the verifier has sliding-window attention layers (their static cache cannot be rolled back)."""
-    from transformers import StaticCache
-
-    return any(getattr(layer, "is_sliding", False) for layer in StaticCache(config=config, max_cache_len=1).layers)
-
-
-#: The oldest transformers whose DynamicCache rolls a sliding-window layer back correctly, as proven by
-#: tests/test_evaluate.py::test_sliding_window_verifier_rolls_back (5.17 has `activate_past_recording`, but
-#: decoding with it recorded fails there: the sliding mask and the recorded keys disagree by one position).
-SLIDING_ROLLBACK_MIN_TRANSFORMERS = (5, 24)
-
-
-def sliding_rollback_supported() -> bool:
-    """Whether this transformers can decode a sliding-window verifier with rollback."""
-    import transformers
-
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return (major, minor) >= SLIDING_ROLLBACK_MIN_TRANSFORMERS
-
-
-def cache_keyword(model) -> str:
-    """The name the model's forward takes its KV cache by: transformers 5.24 renamed ``past_key_values`` to
-    ``cache``; 5.17 (the GPU machine's) knows only the old name."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-class VerifierRunner:
-    """The verifier's forward over new tokens with a KV cache that can be rolled back.
-
-    :meth:`forward` returns full-vocab logits and, when aux layer ids were
-    given, the aux states (captured by :class:`eyas.verifier.HiddenStateCapture`
-    as they pass, in the draft's layer order). With ``compile_mode`` the
-    fixed-shape decoding calls (``T`` = 1 or ``K + 1`` new tokens) run through
-    ``torch.compile`` over a static cache; a prefill of any length runs eagerly.
-    """
-
-    def __init__(self, model, *, aux_layer_ids: list[int] | None, static: bool,
-                 compile_mode: str | None = None, compiled_lengths: tuple[int, ...] = ()) -> None:  # fmt: skip
-        from eyas.verifier import HiddenStateCapture
-
-        self.model = model
-        self.static = static
-        self.device = next(model.parameters()).device
-        self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
-        self._cache_kw = cache_keyword(model)
-        if has_sliding_window(model.config):
-            if static:
-                raise EyasError("a static cache cannot roll back a sliding-window verifier (its buffer is circular): "
-                                "use --cache dynamic")  # fmt: skip
-            if not sliding_rollback_supported():
-                import transformers
-
-                need = ".".join(map(str, SLIDING_ROLLBACK_MIN_TRANSFORMERS))
-                raise EyasError(f"speculative decoding of a sliding-window verifier needs transformers >= {need} (its "
-                                f"caches roll back correctly from there); this is {transformers.__version__}")  # fmt: skip
-        self.cache = None
-        self.max_len = 0
-        self.compiled_lengths = set(compiled_lengths) if compile_mode else set()
-        self._compiled = torch.compile(self._forward, mode=compile_mode, dynamic=False) if compile_mode else None
-
-    def __enter__(self) -> "VerifierRunner":
-        if self.capture is not None:
-            self.capture.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.capture is not None:
-            self.capture.__exit__(*exc)
-
-    def reset(self, max_len: int) -> None:
-        """Start a new sequence of at most ``max_len`` positions (a static cache is kept and reused when large
-        enough, so compiled graphs stay valid)."""
-        from transformers import DynamicCache, StaticCache
-
-        if self.static and self.cache is not None and max_len <= self.max_len:
-            _set_cache_length(self.cache, 0)
-            return
-        cfg = self.model.config
-        if self.static:
-            self.max_len = max(max_len, 2 * self.max_len)
-            self.cache = StaticCache(config=cfg, max_cache_len=self.max_len)
-        else:
-            self.max_len = max_len
-            self.cache = DynamicCache(config=cfg)
-            if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers keep what a rollback needs
-                self.cache.activate_past_recording()
-
-    def rollback(self, length: int) -> None:
-        """Keep the first ``length`` positions."""
-        _set_cache_length(self.cache, length)
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int):
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=logits_to_keep, **{self._cache_kw: self.cache})  # fmt: skip
-        aux = self.capture.aux()[0] if self.capture is not None else None  # [T, 3H]
-        return out.logits[0], aux  # [T', V]
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, start: int, *, last_only: bool = False):
-        """``input_ids [T]`` at positions ``start..start+T-1`` -> (logits ``[T or 1, V]`` float32, aux
-        ``[T, 3H]`` or None). The cache then holds ``start + T`` positions."""
-        T = input_ids.shape[0]
-        if start + T > self.max_len:
-            raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.max_len}")
-        pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
-        if self._compiled is not None and T in self.compiled_lengths and not last_only:
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, aux = self._compiled(input_ids[None], pos, 0)
-            # CUDA-graph outputs live in a pool the next replay overwrites: copy what the caller keeps.
-            return logits.float().clone(), None if aux is None else aux.clone()
-        # Eager forwards (prefills of any length; every decoding step with a dynamic cache, whose key length
-        # grows) see a new shape almost every call: no cuDNN attention plan per shape (eyas.verifier).
-        with varying_shape_attention(self.device):
-            logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
-        return logits.float(), aux
-
-
 # --------------------------------------------------------------------------- the draft with its cache
 
 
 class DraftRunner:
-    """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map."""
+    """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
-    def __init__(self, draft: Eagle3Draft, *, compile_mode: str | None = None, compiled_max_tokens: int = 0) -> None:
+    Its fixed shapes (catching up 1..K+1 positions after a round, one drafting step) are CUDA graphs on CUDA
+    (:class:`eyas.generate.Graphs`); a prompt's catch-up of any length runs eagerly.
+    """
+
+    def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True) -> None:
+        from eyas.generate import Graphs
+
         self.draft = draft
         p = draft.fc.weight
         self.device, self.dtype = p.device, p.dtype
         self.to_target = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=self.device))
         self.cache = None
         self.max_len = 0
-        self._step = torch.compile(self._run, mode=compile_mode, dynamic=False) if compile_mode else self._run
-        self.compiled = compile_mode is not None
-        self.compiled_max_tokens = compiled_max_tokens if self.compiled else 1 << 30
+        self.graphs = Graphs(self.device, enabled=cuda_graphs)
+        self.graph_max_tokens = graph_max_tokens
+        self._static: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
 
     def reset(self, max_len: int) -> None:
         if self.cache is not None and max_len <= self.max_len:
@@ -253,13 +116,23 @@ class DraftRunner:
             return
         self.max_len = max(max_len, 2 * self.max_len)
         self.cache = self.draft.new_cache(batch_size=1, max_len=self.max_len)
-        if self.compiled:  # the cache is mutated in place: give CUDA graphs fixed addresses
-            for t in (self.cache.k, self.cache.v, self.cache.valid):
-                torch._dynamo.mark_static_address(t)
+        self.graphs.graphs.clear()  # recorded against the old cache's buffers
 
     def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
         normed, next_hidden = self.draft.step(input_ids, hidden, position_ids, self.cache)
         return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
+
+    def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
+        (the next replay overwrites them)."""
+        key = (kind, tuple(inputs[0].shape))
+        if key not in self._static:
+            self._static[key] = tuple(x.clone() for x in inputs)
+        static = self._static[key]
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        logits, hidden = self.graphs.run(key, lambda: fn(*static))
+        return logits.clone(), hidden.clone()
 
     @torch.no_grad()
     def catch_up(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int):
@@ -268,17 +141,22 @@ class DraftRunner:
         position and its ``next_hidden [1, 1, H]``."""
         T = next_ids.shape[0]
         pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
-        hidden = self.draft.fuse(aux[None].to(self.dtype))  # [1, T, H]
-        if T <= self.compiled_max_tokens:  # after a verification round: 1..K+1 positions, one graph each
-            return self._step(next_ids[None], hidden, pos)
-        return self._run(next_ids[None], hidden, pos)  # a prompt's length varies: eager
+        aux = aux[None].to(self.dtype)  # [1, T, 3H]
+
+        def run(ids, aux, pos):
+            return self._run(ids, self.draft.fuse(aux), pos)
+
+        if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
+            return self._graphed("catch_up", (next_ids[None], aux, pos), run)
+        return run(next_ids[None], aux, pos)  # a prompt's length varies: eager
 
     @torch.no_grad()
     def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int):
         """One drafting step: the previous draft ``token [1]`` and ``next_hidden`` at ``position``."""
         pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
-        # hidden may be a [1, 1, H] view of a longer output: give it the one stride compiled graphs were built for
-        return self._step(token[None], hidden.view(-1).view(1, 1, -1), pos)
+        if self.graphs.enabled:
+            return self._graphed("step", (token[None], hidden.reshape(1, 1, -1), pos), self._run)
+        return self._run(token[None], hidden.reshape(1, 1, -1), pos)
 
 
 # --------------------------------------------------------------------------- decoding loops
@@ -287,11 +165,14 @@ class DraftRunner:
 @dataclass
 class Generation:
     """One decoded turn: the new tokens (cut after an end-of-turn token or at ``max_new_tokens``) and, for
-    speculative decoding, the draft tokens accepted and proposed in each round."""
+    speculative decoding, per round the draft tokens accepted, the tokens it added to the output (``accepted +
+    1`` but in a turn's last round, whose tokens past the end of turn or ``max_new_tokens`` are dropped: only
+    what is kept counts) and the tokens proposed."""
 
     tokens: list[int]
     seconds: float
     accepted: list[int] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
     proposals: list[list[int]] = field(default_factory=list)
 
 
@@ -315,15 +196,20 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
 
 
+def _check_room(verifier: SequenceDecoder, n: int) -> None:
+    if n > verifier.capacity:
+        raise EyasError(f"internal: a turn of {n} positions exceeds the verifier cache of {verifier.capacity}")
+
+
 @torch.no_grad()
-def plain_generate(verifier: VerifierRunner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
+def plain_generate(verifier: SequenceDecoder, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:  # fmt: skip
     """Plain decoding, one verifier forward per token (the baseline, and the reference for losslessness)."""
     dev = verifier.device
     _sync(dev)
     t0 = time.perf_counter()
     n = len(prompt_ids)
-    verifier.reset(n + max_new_tokens + 1)
+    _check_room(verifier, n + max_new_tokens)
     logits, _ = verifier.forward(torch.tensor(prompt_ids, device=dev), 0, last_only=True)
     tokens: list[int] = []
     while True:
@@ -338,20 +224,22 @@ def plain_generate(verifier: VerifierRunner, prompt_ids: list[int], *, max_new_t
 
 
 @torch.no_grad()
-def speculative_generate(verifier: VerifierRunner, draft: DraftRunner, prompt_ids: list[int], *, max_new_tokens: int,
-                         draft_tokens: int, eos_ids: set[int], temperature: float = 0.0,
+def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *,
+                         max_new_tokens: int, draft_tokens: int, eos_ids: set[int], temperature: float = 0.0,
                          generator: torch.Generator | None = None) -> Generation:  # fmt: skip
     """Speculative decoding of one prompt (see the module docstring for the loop's semantics).
 
     Invariant at the top of each round: the verifier's cache holds positions
     ``0..m-1``; the last emitted token ``x_m`` is not yet fed to it; the draft's
     cache holds positions ``0..m-1``, each computed from the verifier's state there.
+    A round's accepted count is what the output keeps: draft tokens accepted past
+    the end-of-turn token or ``max_new_tokens`` in the last round are not counted.
     """
     dev, K = verifier.device, draft_tokens
     _sync(dev)
     t0 = time.perf_counter()
     n = len(prompt_ids)
-    verifier.reset(n + max_new_tokens + K + 1)
+    _check_room(verifier, n + max_new_tokens + K + 1)
     draft.reset(n + max_new_tokens + K + 1)
     ids = torch.tensor(prompt_ids, device=dev)
     logits, aux = verifier.forward(ids, 0, last_only=True)
@@ -373,6 +261,7 @@ def speculative_generate(verifier: VerifierRunner, draft: DraftRunner, prompt_id
                 drafted.append(draft.to_target[torch.multinomial(probs, 1, generator=generator)])
                 q.append(torch.zeros_like(logits[-1]).index_copy_(0, draft.to_target, probs))  # [V], 0 off-vocab
         proposal = torch.cat(drafted)  # [K] target ids
+        # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
         logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
         if temperature == 0:
             accepted, nxt = verify_greedy(logits[None], proposal[None])
@@ -381,10 +270,12 @@ def speculative_generate(verifier: VerifierRunner, draft: DraftRunner, prompt_id
                                            proposal[None], generator=generator)  # fmt: skip
         host = torch.cat([accepted, nxt, proposal]).tolist()  # the round's one device->host sync
         a = host[0]
-        out.accepted.append(a)
-        out.proposals.append(host[2:])
+        before = len(tokens)
         tokens, done = _finish(tokens + host[2 : 2 + a] + [host[1]], max_new_tokens, eos_ids)
-        verifier.rollback(m + a + 1)  # keep `last` and the accepted drafts
+        kept = len(tokens) - before  # of the a + 1 tokens the round made
+        out.accepted.append(min(a, kept))
+        out.produced.append(kept)
+        out.proposals.append(host[2:])
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
         last = nxt
         if not done:
@@ -399,11 +290,13 @@ def speculative_generate(verifier: VerifierRunner, draft: DraftRunner, prompt_id
 # --------------------------------------------------------------------------- statistics
 
 
-def acceptance_stats(accepted: list[int], draft_tokens: int) -> dict[str, Any]:
+def acceptance_stats(accepted: list[int], draft_tokens: int, *, produced: list[int] | None = None) -> dict[str, Any]:
     """tau and per-position acceptance from the accepted count of every speculative round.
 
     ``tau`` = tokens produced per verifier forward = mean over rounds of
-    ``accepted + 1`` (vLLM's mean acceptance length, ``1 + accepted / drafts``).
+    ``accepted + 1`` (vLLM's mean acceptance length, ``1 + accepted / drafts``),
+    or of ``produced`` when given (the tokens each round kept: a turn's last round
+    keeps none past its end).
     ``acceptance_per_position[j]`` is *unconditional*: the fraction of rounds in
     which draft token ``j`` was accepted (hence all before it too), vLLM's
     per-position acceptance rate. ``conditional_acceptance_per_position[j]`` is
@@ -417,8 +310,9 @@ def acceptance_stats(accepted: list[int], draft_tokens: int) -> dict[str, Any]:
     reached = [sum(hist[j:]) for j in range(K + 1)]  # rounds whose first j drafts were all accepted
     uncond = [reached[j + 1] / rounds if rounds else 0.0 for j in range(K)]
     cond = [reached[j + 1] / reached[j] if reached[j] else 0.0 for j in range(K)]
+    tokens = sum(produced) if produced is not None else sum(accepted) + rounds
     return {
-        "tau": (sum(accepted) + rounds) / rounds if rounds else 0.0,
+        "tau": tokens / rounds if rounds else 0.0,
         "rounds": rounds,
         "acceptance_per_position": uncond,
         "conditional_acceptance_per_position": cond,
@@ -495,39 +389,12 @@ def _as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[li
     return out[:num_prompts] if num_prompts else out, f"{len(out)} prompts given in Python"
 
 
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """The ids that end an assistant turn: the control token the chat template writes right after an
-    assistant message (``<|im_end|>`` in ChatML) plus the tokenizer's EOS.
-
-    Passed explicitly to every decoding loop: on the GPU machine, ``generate`` on the GGUF SmolLM2 ran past
-    ``<|im_end|>`` when left to its defaults.
-    """
-    from eyas.verifier import end_of_turn_token
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    answer = "eyas probe answer"
-    with contextlib.suppress(Exception):  # a template that cannot render the probe still leaves the EOS
-        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
-        eot = end_of_turn_token(tokenizer, tokenizer.apply_chat_template(probe, tokenize=False), answer)
-        if eot is not None:
-            ids.add(tokenizer.convert_tokens_to_ids(eot))
-    if not ids:
-        raise EyasError("the verifier's tokenizer has no EOS token and its chat template no end-of-turn token")
-    return ids
-
-
 def _conversation(p: EvalPrompt, answers: list[str], turn: int) -> list[dict[str, str]]:
     """The messages up to user turn ``turn``: system, then each earlier turn with its answer."""
     messages = [{"role": "system", "content": p.system}] if p.system else []
     for q, a in zip(p.turns[:turn], answers):
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return messages + [{"role": "user", "content": p.turns[turn]}]
-
-
-def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The chat template applied as the verifier's tokenizer ships it (no second BOS: the template writes it)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # --------------------------------------------------------------------------- drafts
@@ -643,78 +510,76 @@ def _validation_rows(manifest: dict[str, Any]) -> list[int] | None:
 
 # --------------------------------------------------------------------------- the stage
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
-
 
 @dataclass
 class Runners:
-    """The three decoding engines of one measurement, sharing one verifier model: the verifier for speculative
-    decoding (capturing aux states), the verifier for plain decoding (no capture), and the draft."""
+    """The decoders of one measurement, sharing one verifier model: the verifier for speculative decoding
+    (capturing aux states; a graph per verification length ``K + 1`` of every ``K`` measured), the verifier for
+    plain decoding (nothing attached: the baseline pays for no capture), and the draft."""
 
-    spec: VerifierRunner
-    base: VerifierRunner
+    spec: SequenceDecoder
+    base: SequenceDecoder
     draft: DraftRunner
-    draft_tokens: int
-    compile_mode: str | None
-    static: bool
+    draft_tokens: list[int]
 
     @classmethod
-    def build(cls, model, draft: Eagle3Draft, *, draft_tokens: int, static: bool, compile_mode: str | None,
-              max_len: int) -> "Runners":  # fmt: skip
-        """Runners with caches for ``max_len`` positions, the fixed decoding shapes compiled and warmed up."""
-        K = draft_tokens
-        if compile_mode:
-            # One graph per decoding shape: verifier 1 and K+1 tokens, draft 1..K+1 positions, per runner.
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 8 * (K + 4)))
+    def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int,
+              cuda_graphs: bool = True) -> "Runners":  # fmt: skip
+        """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front."""
+        Ks = sorted(set(draft_tokens))
         r = cls(
-            spec=VerifierRunner(model, aux_layer_ids=draft.config.aux_layer_ids, static=static,
-                                compile_mode=compile_mode, compiled_lengths=(K + 1,)),
-            base=VerifierRunner(model, aux_layer_ids=None, static=static, compile_mode=compile_mode,
-                                compiled_lengths=(1,)),
-            draft=DraftRunner(draft, compile_mode=compile_mode, compiled_max_tokens=K + 1),
-            draft_tokens=K, compile_mode=compile_mode, static=static,
+            spec=SequenceDecoder(model, capacity=max_len, aux_layer_ids=draft.config.aux_layer_ids,
+                                 graph_lengths=[K + 1 for K in Ks], cuda_graphs=cuda_graphs),
+            base=SequenceDecoder(model, capacity=max_len, graph_lengths=(1,), cuda_graphs=cuda_graphs),
+            draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs),
+            draft_tokens=Ks,
         )  # fmt: skip
-        for runner in (r.spec, r.base, r.draft):  # one cache each for the run: static buffers keep their addresses
-            runner.reset(max_len)
-        if compile_mode:
-            r._warm_up(max_len)
+        r.draft.reset(max_len)
+        r._warm_up()
         return r
 
     @torch.no_grad()
-    def _warm_up(self, max_len: int) -> None:
-        """Compile (and, with CUDA graphs, record) every fixed shape the timed loops use, outside the timing:
-        verifier forwards over 1 (plain) and K + 1 (verification) tokens, draft steps over 1..K+1 positions.
-        Each cache is first filled by an eager prefill, so static buffers are allocated outside any graph."""
-        K = self.draft_tokens
-        ids = torch.arange(1, K + 3, device=self.spec.device)
-        for _ in range(3):  # cudagraph trees: warm up, record, replay
-            self.base.reset(max_len)
-            self.base.forward(ids[:2], 0, last_only=True)
-            self.base.forward(ids[2:3], 2)
-            with self.spec:
-                self.spec.reset(max_len)
-                _, aux = self.spec.forward(ids, 0)  # K + 2 tokens: eager, fills the cache
-                _, aux = self.spec.forward(ids[: K + 1], 0)
-            self.draft.reset(max_len)
-            self.draft.catch_up(ids, torch.cat([aux, aux[:1]]), 0)  # K + 2 positions: eager
-            for T in range(1, K + 2):
-                _, hidden = self.draft.catch_up(ids[:T], aux[:T], 0)
-            self.draft.step(ids[:1], hidden, K + 1)
+    def _warm_up(self) -> None:
+        """Record every graph the timed loops can replay, outside the timing: the plain step and each
+        verification length at every key-length bucket up to the capacity, the draft's catch-ups over 1..K+1
+        positions and its drafting step. (Eager decoding, as on CPU, has nothing to prepare.)"""
+        from eyas.generate import _KEY_BUCKETS
+
+        if not self.base.graphs.enabled:
+            return
+        cap = self.spec.capacity
+        starts = sorted({min(b, cap) for b in _KEY_BUCKETS if b < cap} | {cap})
+        Kmax = max(self.draft_tokens)
+        ids = torch.arange(1, Kmax + 2, device=self.spec.device)
+        for end in starts:
+            self.base.forward(ids[:1], end - 1)
+            for K in self.draft_tokens:
+                _, aux = self.spec.forward(ids[: K + 1], end - K - 1)
+        self.draft.reset(cap)
+        for T in range(1, Kmax + 2):
+            _, hidden = self.draft.catch_up(ids[:T], aux[:1].expand(T, -1), 0)
+        self.draft.step(ids[:1], hidden, Kmax + 1)
+        self.draft.reset(cap)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding at one ``K``: every round's accepted and kept counts, tokens and seconds."""
+
+    accepted: list[int] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
 class Measurement:
-    """What speculative and plain decoding of a prompt set produced."""
+    """What speculative decoding (per ``K``) and plain decoding of a prompt set produced."""
 
-    accepted: list[int] = field(default_factory=list)
-    spec_tokens: int = 0
-    spec_seconds: float = 0.0
+    spec: dict[int, SpecStats] = field(default_factory=dict)
     base_tokens: int = 0
     base_seconds: float = 0.0
-    mismatches: list[dict[str, Any]] = field(default_factory=list)
     turn_ids: list[list[int]] = field(default_factory=list)  # every decoded turn's prompt ids, in order
     turns: int = 0
 
@@ -729,79 +594,118 @@ def conversation_bound(plist: list[EvalPrompt], tokenizer, *, max_new_tokens: in
 def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tokens: int, eos_ids: set[int],
             temperature: float = 0.0, seed: int = 0, baseline: bool = True,
             desc: str = "eyas eval") -> Measurement:  # fmt: skip
-    """Decode every turn of every prompt speculatively and (with ``baseline``) plainly, one prompt at a time.
+    """Decode every turn of every prompt speculatively (once per ``K``) and (with ``baseline``) plainly, one
+    prompt at a time.
 
     A later turn follows the answer of plain decoding to the turn before (the verifier's own answer, greedy at
-    ``T = 0``), so both loops decode the same conversation; at ``T = 0`` every turn's two outputs are compared.
+    ``T = 0``), so every loop decodes the same conversation; at ``T = 0`` every turn's outputs are compared.
     """
     from tqdm.auto import tqdm
 
-    K = runners.draft_tokens
+    Ks = runners.draft_tokens
     dev = runners.spec.device
-    g_spec = torch.Generator(device=dev).manual_seed(seed)
+    g_spec = {K: torch.Generator(device=dev).manual_seed(seed) for K in Ks}
     g_base = torch.Generator(device=dev).manual_seed(seed + 1)
     kw = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature)
-    m = Measurement()
-    bar = tqdm(total=sum(len(p.turns) for p in plist), desc=desc, unit="turn")
+    m = Measurement(spec={K: SpecStats() for K in Ks})
+    bar = tqdm(total=sum(len(p.turns) for p in plist), desc=desc, unit="turn", dynamic_ncols=True)
     for p in plist:
         answers: list[str] = []
         for ti in range(len(p.turns)):
             ids = encode_prompt(tokenizer, _conversation(p, answers, ti))
             m.turn_ids.append(ids)
-            with runners.spec:
-                spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec, **kw)
-            m.accepted += spec.accepted
-            m.spec_tokens += len(spec.tokens)
-            m.spec_seconds += spec.seconds
-            answer = spec.tokens
+            outs = {}
+            for K in Ks:
+                spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec[K],
+                                            **kw)  # fmt: skip
+                s = m.spec[K]
+                s.accepted += spec.accepted
+                s.produced += spec.produced
+                s.tokens += len(spec.tokens)
+                s.seconds += spec.seconds
+                outs[K] = spec.tokens
+            answer = outs[Ks[0]]
             if baseline:
                 base = plain_generate(runners.base, ids, generator=g_base, **kw)
                 m.base_tokens += len(base.tokens)
                 m.base_seconds += base.seconds
                 answer = base.tokens
-                if temperature == 0 and base.tokens != spec.tokens:
-                    first = next((i for i, (x, y) in enumerate(zip(base.tokens, spec.tokens)) if x != y),
-                                 min(len(base.tokens), len(spec.tokens)))  # fmt: skip
-                    m.mismatches.append({"prompt": p.id, "turn": ti, "first_difference": first,
-                                         **_divergence(runners.base.model, ids, base.tokens, spec.tokens, first)})
+                for K, toks in outs.items():
+                    if temperature == 0 and base.tokens != toks:
+                        first = next((i for i, (x, y) in enumerate(zip(base.tokens, toks)) if x != y),
+                                     min(len(base.tokens), len(toks)))  # fmt: skip
+                        m.spec[K].mismatches.append({
+                            "prompt": p.id, "turn": ti, "turn_index": len(m.turn_ids) - 1, "first_difference": first,
+                            **_divergence(runners.base.model, ids, base.tokens, toks, first)})  # fmt: skip
             answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True,
                                             clean_up_tokenization_spaces=False))  # (5.17 warns otherwise)
             m.turns += 1
             bar.update(1)
-            bar.set_postfix(tau=f"{acceptance_stats(m.accepted, K)['tau']:.2f}")
+            bar.set_postfix({f"tau@{K}": f"{sum(m.spec[K].produced) / max(len(m.spec[K].produced), 1):.2f}"
+                             for K in Ks})  # fmt: skip
     bar.close()
     return m
 
 
 @torch.no_grad()
 def _divergence(model, prompt_ids: list[int], plain: list[int], spec: list[int], at: int) -> dict[str, Any]:
-    """Where two greedy outputs part: the verifier's logits there, from one fresh forward over the common prefix.
+    """Where two greedy outputs part: the verifier's logits there, from one fresh forward over the common
+    prefix, and what the difference is.
 
-    A gap between the two tokens' logits near the dtype's rounding (bf16: a few hundredths) means a near-tie
-    that one forward over K+1 tokens and one over 1 token round differently; a large gap means a bug.
+    ``kind`` is ``near-tie`` when the two tokens' logits differ by no more than the compute dtype resolves at
+    their size (two units in the last place: bf16 keeps 8 significant bits, so logits near 20 are 0.16 apart):
+    one forward over K+1 tokens and one over a single token round such a tie differently. A larger gap is
+    ``real``: the loops computed different things. An output that is a prefix of the other (one stopped
+    early) is ``real`` too.
     """
     if at >= min(len(plain), len(spec)):
-        return {"logit_gap": None}
+        return {"logit_gap": None, "kind": "real"}
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + plain[:at]], device=dev)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-    return {"plain_token": plain[at], "spec_token": spec[at],
-            "logit_gap": float(logits[plain[at]] - logits[spec[at]])}  # fmt: skip
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+    a, b = logits[plain[at]], logits[spec[at]]
+    gap = float(a.float() - b.float())
+    tolerance = 2 * torch.finfo(logits.dtype).eps * max(abs(float(a)), abs(float(b)), 1.0)
+    return {"plain_token": plain[at], "spec_token": spec[at], "logit_gap": gap,
+            "kind": "near-tie" if abs(gap) <= tolerance else "real"}  # fmt: skip
+
+
+def recheck_fp32_turns(env: dict[str, Any], m: Measurement, *, max_new_tokens: int, bound: int) -> None:
+    """Decode every mismatched turn again in fp32 (copies of the verifier and the draft), plainly and
+    speculatively at the mismatch's ``K``: a turn whose two outputs agree in fp32 was a near-tie of the compute
+    dtype (``fp32: "equal"``, kind ``near-tie``); one that still differs is a real difference."""
+    import copy
+
+    bad = [(K, x) for K, s in m.spec.items() for x in s.mismatches]
+    if not bad:
+        return
+    model32 = copy.deepcopy(env["model"]).float()
+    runners = Runners.build(model32, copy.deepcopy(env["draft"]).float(), draft_tokens=sorted({K for K, _ in bad}),
+                            max_len=bound, cuda_graphs=False)  # fmt: skip
+    kw = dict(max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"])
+    for K, x in bad:
+        ids = m.turn_ids[x["turn_index"]]
+        same = (speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, **kw).tokens
+                == plain_generate(runners.base, ids, **kw).tokens)  # fmt: skip
+        x["fp32"] = "equal" if same else "differ"
+        x["kind"] = "near-tie" if same else "real"
 
 
 def summarize(m: Measurement, *, draft_tokens: int, temperature: float, baseline: bool) -> dict[str, Any]:
-    """The report's measured figures: acceptance statistics, losslessness, speeds and speedup."""
-    spec_tps = m.spec_tokens / m.spec_seconds if m.spec_seconds else 0.0
+    """The report's measured figures at one ``K``: acceptance statistics, losslessness, speeds and speedup."""
+    s = m.spec[draft_tokens]
+    spec_tps = s.tokens / s.seconds if s.seconds else 0.0
     base_tps = m.base_tokens / m.base_seconds if m.base_seconds else None
     return {
-        **acceptance_stats(m.accepted, draft_tokens),
-        "lossless": (not m.mismatches) if (baseline and temperature == 0) else None,
-        "mismatches": m.mismatches,
+        **acceptance_stats(s.accepted, draft_tokens, produced=s.produced),
+        "draft_tokens": draft_tokens,
+        "lossless": (not s.mismatches) if (baseline and temperature == 0) else None,
+        "mismatches": s.mismatches,
         "tokens_per_s": spec_tps,
         "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps else None,
         "num_turns": m.turns,
-        "generated_tokens": m.spec_tokens,
+        "generated_tokens": s.tokens,
     }
 
 
@@ -811,16 +715,6 @@ def _report_paths(out: str | Path) -> tuple[Path, Path]:
     if p.suffix == ".json":
         return p, p.with_name(p.stem + "_accepted_lengths.png")
     return p / "report.json", p / "accepted_lengths.png"
-
-
-def device_and_dtype(device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """``--device`` (default: cuda when there is one) and ``--dtype`` (auto: bf16 on a GPU, fp32 on CPU)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
-    return dev, _DTYPES[dtype]
 
 
 def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
@@ -853,24 +747,25 @@ def evaluate(
     out: str | None = None,
     num_prompts: int | None = None,
     max_new_tokens: int = 256,
-    draft_tokens: int = 3,
+    draft_tokens: list[int] = [3],  # noqa: B006 (read only; a list so the CLI reads --draft-tokens 3,5,7)
     temperature: float = 0.0,
     seed: int = 0,
     offline: str | None = None,
     offline_rows: int = 256,
     device: str | None = None,
     dtype: str = "auto",
-    cache: CacheKind = "auto",
-    compile: CompileMode = "auto",
+    cuda_graphs: bool = True,
     baseline: bool = True,
+    recheck_fp32: bool = False,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Measure a draft by real speculative decoding on the verifier: tau, per-position acceptance, losslessness,
     and the speedup over plain decoding of the same prompts in the same run.
 
     Each prompt's turns are decoded in order through the verifier's chat template; a later turn (MT-Bench's
-    second) follows the verifier's own plain-decoded answer to the turn before, so both loops see the same
-    conversation. Prints a table; ``--out`` writes the report as JSON and a PNG histogram of accepted lengths.
+    second) follows the verifier's own plain-decoded answer to the turn before, so every loop sees the same
+    conversation. Several K (`--draft-tokens 3,5,7`) are measured on the same turns in one run. Prints a table;
+    ``--out`` writes the report as JSON and a PNG histogram of accepted lengths.
 
     Args:
         verifier: the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).
@@ -880,7 +775,8 @@ def evaluate(
         out: where to write the report: a .json path (the histogram PNG goes beside it) or a directory.
         num_prompts: evaluate this many prompts (a seeded sample); default all.
         max_new_tokens: new tokens per turn at most (decoding also stops at the end-of-turn token).
-        draft_tokens: K, the draft tokens proposed per round.
+        draft_tokens: K, the draft tokens proposed per round; several (3,5,7) are each measured on the same turns
+            (the report's top-level figures are the first K's, every K's under by_draft_tokens).
         temperature: 0 for greedy acceptance; above 0 speculative sampling at this temperature.
         seed: seeds the prompt sample and all sampling.
         offline: an `eyas extract` features dir: also predict tau from the draft's per-step conditional accuracy
@@ -888,40 +784,38 @@ def evaluate(
         offline_rows: rows of --offline features to use at most.
         device: cuda or cpu (default: cuda when available).
         dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.
-        cache: the verifier's KV cache: static (CUDA graphs can capture it) or dynamic; auto picks static on CUDA.
-        compile: torch.compile mode for the fixed-shape decoding steps of both loops: none, default or
-            reduce-overhead (CUDA graphs); auto picks reduce-overhead on CUDA and none on CPU.
+        cuda_graphs: on CUDA, record every fixed-shape decoding forward (plain step, verification, draft steps)
+            once as a CUDA graph and replay it, for both loops alike.
         baseline: also run plain decoding (needed for the lossless check and the speedup).
+        recheck_fp32: decode every turn whose speculative output differs from plain greedy decoding again in
+            fp32, to tell near-ties of the compute dtype from real differences.
         trust_remote_code: allow the verifier's tokenizer to run checkpoint code (never on by default).
     """
     from eyas.manifest import versions, write_json
     from eyas.verifier import chat_template_hash
 
-    if draft_tokens < 1:
-        raise EyasError(f"--draft-tokens must be at least 1, got {draft_tokens}")
+    Ks = [draft_tokens] if isinstance(draft_tokens, int) else list(dict.fromkeys(int(k) for k in draft_tokens))
+    if not Ks or min(Ks) < 1:
+        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
                 trust_remote_code=trust_remote_code)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
-    K = draft_tokens
-    # auto: static on CUDA (CUDA graphs need it) unless sliding-window layers make it impossible to roll back
-    sliding = has_sliding_window(env["model"].config)
-    static = cache == "static" or (cache == "auto" and dev.type == "cuda" and not sliding)
-    if compile == "auto":  # fixed shapes need the static cache; a growing dynamic one would recompile every token
-        mode = "reduce-overhead" if static and dev.type == "cuda" else None
-    else:
-        mode = None if compile == "none" else compile
-    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=K)
-    runners = Runners.build(env["model"], d, draft_tokens=K, static=static, compile_mode=mode, max_len=bound)
+    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
+    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs)
+    graphs = runners.base.graphs.enabled
     m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
+    if recheck_fp32 and temperature == 0:
+        recheck_fp32_turns(env, m, max_new_tokens=max_new_tokens, bound=bound)
+    by_k = {K: summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline) for K in Ks}
     template_sha = chat_template_hash(tokenizer)
+    K = Ks[0]
     report: dict[str, Any] = {
-        **summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline),
+        **by_k[K],
         "num_prompts": len(plist),
-        "draft_tokens": K,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "prompts": source,
@@ -930,14 +824,15 @@ def evaluate(
         "draft_is_random": str(draft) == "random",
         "device": str(dev),
         "dtype": str(env["dtype"]).removeprefix("torch."),
-        "cache": "static" if static else "dynamic",
-        "compile": mode or "none",
+        "cuda_graphs": graphs,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
         "end_of_turn_ids": sorted(env["eos_ids"]),
         "seed": seed,
         "versions": versions(),
     }
+    if len(Ks) > 1:
+        report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
     trained_template = (env["draft_manifest"].get("inputs") or {}).get("chat_template_sha256")
     if trained_template and template_sha and trained_template != template_sha:
         report["warning"] = "the draft was trained on data rendered with another chat template"
@@ -964,7 +859,7 @@ def _print_report(r: dict[str, Any]) -> None:
         ("prompts", f"{r['num_prompts']} ({r['num_turns']} turns, {r['generated_tokens']} tokens) from {r['prompts']}"),
         ("draft", r["draft"] + ("  (random: untrained)" if r["draft_is_random"] else "")),
         ("setting", f"K={r['draft_tokens']}  T={r['temperature']:g}  {r['device']} {r['dtype']}  "
-                    f"{r['cache']} cache  compile={r['compile']}  batch 1"),
+                    f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}  batch 1"),
         ("tau (tokens per verifier forward)", f"{r['tau']:.3f}  over {r['rounds']} rounds"),
     ]  # fmt: skip
     if "predicted_tau" in r:
@@ -975,14 +870,18 @@ def _print_report(r: dict[str, Any]) -> None:
         ("accepted-length histogram", " ".join(map(str, r["accepted_length_histogram"])) + "  (0..K drafts accepted)"),
     ]
     if r["lossless"] is not None:
-        bad = len(r["mismatches"])
-        gaps = [abs(x["logit_gap"]) for x in r["mismatches"] if x.get("logit_gap") is not None]
-        why = f"; logit gap at the first difference <= {max(gaps):.3g} (a near-tie in {r['dtype']}?)" if gaps else ""
-        rows.append(("lossless (== plain greedy)", "yes" if r["lossless"] else f"NO: {bad} turn(s) differ{why}"))
+        rows.append(("lossless (== plain greedy)", _lossless_line(r["mismatches"], r["dtype"])))
     speed = f"{r['tokens_per_s']:.1f} tokens/s"
     if r["baseline_tokens_per_s"]:
         speed += f"  vs plain {r['baseline_tokens_per_s']:.1f}: speedup {r['speedup']:.2f}x"
     rows.append(("speed", speed))
+    for k, x in (r.get("by_draft_tokens") or {}).items():
+        line = f"tau {x['tau']:.3f}"
+        if x["speedup"]:
+            line += f"  speedup {x['speedup']:.2f}x"
+        if x["lossless"] is not None:
+            line += f"  lossless {_lossless_line(x['mismatches'], r['dtype'])}"
+        rows.append((f"K={k}", line))
     if r.get("warning"):
         rows.append(("warning", r["warning"]))
     if r.get("report_json"):
@@ -991,3 +890,13 @@ def _print_report(r: dict[str, Any]) -> None:
     print("\neyas eval")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+
+
+def _lossless_line(mismatches: list[dict[str, Any]], dtype: str) -> str:
+    if not mismatches:
+        return "yes"
+    ties = sum(x.get("kind") == "near-tie" for x in mismatches)
+    real = len(mismatches) - ties
+    how = " (rechecked in fp32)" if any("fp32" in x for x in mismatches) else f" (by the logit gap in {dtype})"
+    return f"NO: {len(mismatches)} turn(s) differ: {ties} near-tie(s), {real} real{how}"
+

@@ -370,8 +370,10 @@ class DraftCache:
         """Write k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to every valid slot at or
         before each query's position."""
         pos = position_ids
-        # The bound check reads a device value; a compiled decoding loop sizes its cache itself and skips it.
-        if not torch.compiler.is_compiling() and int(pos.max()) >= self.max_len:
+        # The bound check reads a device value; a compiled or graph-captured decoding loop sizes its cache itself
+        # and skips it.
+        capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not torch.compiler.is_compiling() and not capturing and int(pos.max()) >= self.max_len:
             raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
         B, _, T, _ = k.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)

@@ -152,7 +152,7 @@ def demo_regenerate(*, out: Path) -> dict:
 
     print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (first turns, <= 64 tokens) -> {out}")
     manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_turns=1,
-                          max_new_tokens=64, batch_size=2)  # fmt: skip
+                          max_new_tokens=64)  # fmt: skip
     first = json.loads((out / CONVERSATIONS).read_text().splitlines()[0])
     for m in first["messages"]:
         text = " ".join(m["content"].split())

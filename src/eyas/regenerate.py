@@ -4,42 +4,44 @@ it will be asked to predict.
 A draft learns to guess the verifier's next tokens; trained on answers another model wrote (ShareGPT's are
 ChatGPT's), it learns that model's phrasing, and part of what it learns is never accepted. EAGLE's authors
 regenerate the answers with the target model (EAGLE-3, arXiv:2503.01840, and the EAGLE repo's
-``ge_data``); SpecForge does it through an SGLang server. eyas runs the verifier with plain transformers
-(batched decoding with its own KV cache, any layout :func:`eyas.verifier.build_text_model` loads), so no
+``ge_data``); SpecForge does it through an SGLang server. eyas decodes with the verifier itself through its
+generation engine (:mod:`eyas.generate`: continuous batching over a fixed token budget, CUDA graphs), so no
 serving engine is needed; for a verifier too large for that, ``--server`` asks an OpenAI-compatible endpoint
-(vLLM, SGLang) instead. Under ``torchrun`` the parts of the work are dealt out to the ranks.
+(vLLM, SGLang) instead. Under ``torchrun`` the prompts are dealt out to the ranks.
 
 Each prompt's user turns are answered in order, each one after the verifier's own answers to the turns before
 (a multi-turn conversation stays coherent); an answer cut at ``max_new_tokens`` ends its conversation there
-(a later turn would follow an answer the verifier never finished). The output is a folder ``eyas prepare
---data`` reads as is: ``conversations.jsonl`` (OpenAI layout: ``{"id", "messages": [{role, content}]}``)
-and ``manifest.json`` (stage ``regenerate``). Work is written in parts as it finishes, so an interrupted run
-resumes from the last finished part; the conversations file appears, whole, only at the end.
+(a later turn would follow an answer the verifier never finished), and so does a turn whose prompt plus
+``max_new_tokens`` would pass ``max_seq_len``. All conversations are in flight at once: a conversation's
+next turn joins the queue as soon as its answer is back.
+
+The output is a folder ``eyas prepare --data`` reads as is: ``conversations.jsonl`` (OpenAI layout: ``{"id",
+"messages": [{role, content}]}``) and ``manifest.json`` (stage ``regenerate``). Each finished conversation is
+appended to a journal as it completes, so a run killed at any moment (``kill -9`` included) resumes with
+nothing lost or done twice; the conversations file appears, whole and in the prompts' order, only at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eyas import dist
+from eyas.datasets import CONVERSATIONS
 from eyas.errors import EyasError
 from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
-                           write_json, write_manifest)
+                           write_manifest)  # fmt: skip
 
-#: The output's conversations, one JSON object a line (what ``eyas prepare`` reads from a regenerate folder).
-CONVERSATIONS = "conversations.jsonl"
-
-#: Prompts a part of finished work holds (an interrupted run loses at most one part).
-PART = 64
+__all__ = ["CONVERSATIONS", "regenerate"]
 
 
 def regenerate(
@@ -48,17 +50,19 @@ def regenerate(
     data: str,
     out: str,
     max_new_tokens: int = 1024,
+    max_seq_len: int = 2048,
     max_samples: int | None = None,
     max_turns: int | None = None,
     temperature: float = 0.0,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_tokens: int | None = None,
     device: str | None = None,
     device_map: str | None = None,
     dtype: str = "auto",
     server: str | None = None,
     server_model: str | None = None,
     api_key_env: str = "OPENAI_API_KEY",
+    concurrency: int = 16,
     strict: bool = False,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
@@ -68,9 +72,10 @@ def regenerate(
     Reads ShareGPT or OpenAI conversations (their user turns; the original answers are replaced), prompt sets
     such as mt-bench, or files of ``turns`` / ``prompt`` records. Writes OUT/conversations.jsonl and
     OUT/manifest.json; `eyas prepare --data OUT` then tokenizes the verifier's own answers. Skips itself when
-    OUT already matches, and resumes an interrupted run. The verifier runs here (one GPU, `--device-map auto`
-    over several, or `torchrun --nproc-per-node N -m eyas.cli regenerate ...`, which deals the prompts out to
-    the ranks), or behind an OpenAI-compatible server (`--server`).
+    OUT already matches, and resumes an interrupted run (kill it at any moment; run the same command again).
+    The verifier runs here (one GPU, `--device-map auto` over several, or `torchrun --nproc-per-node N -m
+    eyas.cli regenerate ...`, which deals the prompts out to the ranks), or behind an OpenAI-compatible
+    server (`--server`).
 
     Args:
         verifier: the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through its own
@@ -79,11 +84,17 @@ def regenerate(
             sharegpt, mt-bench, humaneval.
         out: the output directory.
         max_new_tokens: the most tokens one answer may have; an answer cut there ends its conversation.
+        max_seq_len: the longest conversation in tokens: a turn whose prompt plus --max-new-tokens would pass it
+            is not answered and ends the conversation (train on at most this many tokens: prepare's and train's
+            --max-seq-len).
         max_samples: answer a seeded random sample of this many prompts.
         max_turns: answer at most this many user turns of each prompt (default: all).
-        temperature: 0 decodes greedily; above 0 samples (seeded, so a rerun writes the same answers).
+        temperature: 0 decodes greedily; above 0 samples (seeded per prompt and turn, so a rerun writes the
+            same answers whatever else shares the batch).
         seed: the seed of the sample and of the sampling.
-        batch_size: prompts decoded together (left-padded), or requests in flight with --server.
+        batch_tokens: the decoding budget in tokens of key/value cache (sequences decoded together = this //
+            --max-seq-len); it fixes the memory whatever the prompts (default: 40% of the free GPU memory; 16k
+            tokens on CPU).
         device: cpu or cuda (default: cuda when there is one).
         device_map: 'auto' spreads a verifier too large for one GPU over all of them (transformers' device map).
         dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.
@@ -93,18 +104,25 @@ def regenerate(
         server_model: the model name to ask the server for (default: the first one it lists).
         api_key_env: the environment variable holding the server's API key, if it needs one (the key is sent
             only in the request header, never written).
+        concurrency: with --server, the requests in flight at once.
         strict: stop at the first bad record instead of counting and skipping it.
         trust_remote_code: allow the verifier's own tokenizer code to run.
     """
     from eyas.data import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
-    from eyas.evaluate import device_and_dtype
+    from eyas.generate import device_and_dtype
     from eyas.verifier import fingerprint, load_tokenizer, resolve
 
-    if max_new_tokens < 1:
-        raise EyasError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise EyasError(f"--batch-size must be at least 1, got {batch_size}")
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--max-seq-len", max_seq_len),
+                        ("--concurrency", concurrency)):  # fmt: skip
+        if value < 1:
+            raise EyasError(f"{flag} must be at least 1, got {value}")
+    if max_new_tokens >= max_seq_len:
+        raise EyasError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in --max-seq-len "
+                        f"{max_seq_len}; raise --max-seq-len or lower --max-new-tokens")  # fmt: skip
+    if batch_tokens is not None and batch_tokens < max_seq_len:
+        raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_seq_len}; give at "
+                        f"least {max_seq_len}")  # fmt: skip
     if max_turns is not None and max_turns < 1:
         raise EyasError(f"--max-turns must be at least 1, got {max_turns}")
     if temperature < 0:
@@ -119,12 +137,12 @@ def regenerate(
     template = ChatTemplate(tok, where=str(info.path))  # refuses a template eyas could not mask afterwards
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
               "data": {"source": str(data), "sha256": source_sha256(files)}}  # fmt: skip
-    settings = {"max_new_tokens": max_new_tokens, "max_samples": max_samples, "max_turns": max_turns,
-                "temperature": temperature, "seed": seed, "strict": strict}  # fmt: skip
+    settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
+                "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict}  # fmt: skip
     if server:  # where the answers come from (a URL's user:password part is never recorded)
         settings["server"] = {"url": _without_credentials(server), "model": server_model}
-    else:  # padding and precision move greedy answers by a token now and then
-        settings.update(batch_size=batch_size, dtype=str(dt).removeprefix("torch."))
+    else:  # precision moves greedy answers by a token now and then
+        settings["dtype"] = str(dt).removeprefix("torch.")
     out_dir = Path(out)
     with dist.init(device_type="cuda" if dev.type == "cuda" and not server else "cpu") as d:
         if device_map is not None and d.active:
@@ -138,7 +156,7 @@ def regenerate(
                 if done and (out_dir / CONVERSATIONS).is_file():
                     return False
                 stack.enter_context(OutputLock(out_dir))
-                if parts.parent.is_dir():  # parts of other inputs or settings are stale
+                if parts.parent.is_dir():  # journals of other inputs or settings are stale
                     for old in parts.parent.iterdir():
                         if old != parts:
                             shutil.rmtree(old, ignore_errors=True)
@@ -155,31 +173,40 @@ def regenerate(
                 return manifest
             d.barrier("start of regeneration")
             prompts, report = load_prompts(data, max_samples=max_samples, seed=seed, strict=strict)
-            n_parts = -(-len(prompts) // PART)
-            mine = list(range(d.rank, n_parts, d.world_size))  # parts dealt out in turn: similar work per rank
+            finished = read_journals(parts)
+            todo = [i for i in range(d.rank, len(prompts), d.world_size) if i not in finished]
             started = time.perf_counter()
-            resumed = _regenerate_parts(
-                prompts, mine, parts, d, info=info, tok=tok, server=server, server_model=server_model,
-                api_key_env=api_key_env, device=dev, device_map=device_map, dtype=dt, max_new_tokens=max_new_tokens,
-                max_turns=max_turns, temperature=temperature, seed=seed, batch_size=batch_size)  # fmt: skip
+            new_tokens = 0
+            if todo:
+                backend = _backend(server=server, server_model=server_model, api_key_env=api_key_env,
+                                   concurrency=concurrency, info=info, tok=tok, device=dev, device_map=device_map,
+                                   dtype=dt, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
+                                   batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d)  # fmt: skip
+                mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
+                desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
+                with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
+                    new_tokens = _converse(prompts, todo, backend, max_turns=max_turns, journal=journal,
+                                           done=mine - len(todo), total=mine, desc=desc, show=d.is_main)  # fmt: skip
             seconds = max(d.all_gather(time.perf_counter() - started))
-            resumed = sum(d.all_gather(resumed))
+            new_tokens = sum(d.all_gather(new_tokens))
+            resumed = len(finished)
             d.barrier("end of regeneration")
 
             def finish() -> dict[str, Any]:
-                missing = [p for p in range(n_parts) if not _part_path(parts, p).is_file()]
+                got = read_journals(parts)
+                missing = [i for i in range(len(prompts)) if i not in got]
                 if missing:
-                    raise EyasError(f"{out_dir}: part(s) {missing[:5]} were not written by any rank; run again")
+                    raise EyasError(f"{out_dir}: prompt(s) {missing[:5]} were answered by no rank; run again")
                 totals = dict.fromkeys(_COUNTS, 0)
-                # one pass over the parts; the parts stay until the manifest is written (until then the folder
-                # is refused as data), and an error below leaves no conversations file (atomic_path drops it)
+                # the journals stay until the manifest is written (until then the folder is refused as data), and
+                # an error below leaves no conversations file (atomic_path drops it)
                 with atomic_path(out_dir / CONVERSATIONS) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                    for p in range(n_parts):
-                        part = json.loads(_part_path(parts, p).read_text())
-                        for k, v in part["counts"].items():
+                    for i in range(len(prompts)):
+                        entry = got[i]
+                        for k, v in entry["counts"].items():
                             totals[k] += v
-                        for rec in part["records"]:
-                            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                        if entry["record"] is not None:
+                            f.write(json.dumps(entry["record"], ensure_ascii=False) + "\n")
                     if totals["conversations"] == 0:
                         raise EyasError(f"the verifier answered none of the {len(prompts)} prompts of "
                                         f"{report.source}: every first answer was empty ({totals['empty_answers']}) "
@@ -188,8 +215,8 @@ def regenerate(
                 m = write_manifest(
                     out_dir, stage="regenerate", inputs=inputs, settings=settings, outputs=outputs,
                     report=report.to_json(), verifier_path=str(info.path),
-                    timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_parts": resumed,
-                            "new_tokens_per_s": round(totals["new_tokens"] / max(seconds, 1e-9), 1)},
+                    timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
+                            "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip
                 shutil.rmtree(parts.parent, ignore_errors=True)
                 _print_summary(out_dir, outputs)
@@ -198,104 +225,218 @@ def regenerate(
             return d.run_on_main(finish)
 
 
-def _part_path(parts: Path, p: int) -> Path:
-    return parts / f"part-{p:05d}.records"  # not a source suffix: a half-made folder is never read as data
-
-
-def _regenerate_parts(prompts, mine: list[int], parts: Path, d, *, info, tok, server, server_model, api_key_env,
-                      device, device_map, dtype, max_new_tokens, max_turns, temperature, seed,
-                      batch_size) -> int:  # fmt: skip
-    """This rank's parts of the work, each written when finished; returns how many an earlier run had written."""
-    from tqdm.auto import tqdm
-
-    from eyas.evaluate import end_of_turn_ids
-    from eyas.verifier import build_text_model
-
-    todo = [p for p in mine if not _part_path(parts, p).is_file()]
-    backend: LocalVerifier | Server | None = None
-    if todo and server:
-        backend = Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                         batch_size=batch_size, api_key_env=api_key_env)  # fmt: skip
-    elif todo:
-        eos_ids = end_of_turn_ids(tok)
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
-        where = None if device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
-        model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
-        backend = LocalVerifier(model, tok, eos_ids=eos_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
-                                temperature=temperature, batch_size=batch_size)  # fmt: skip
-    def chunk(p: int) -> list:
-        return prompts[p * PART : (p + 1) * PART]
-
-    desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
-    with tqdm(total=sum(len(chunk(p)) for p in mine), desc=desc, unit="prompt", file=sys.stderr,
-              dynamic_ncols=True, disable=not d.is_main) as bar:  # fmt: skip
-        bar.update(sum(len(chunk(p)) for p in mine if p not in todo))  # finished earlier
-        for p in todo:
-            # seeded per part: a resumed run (or another rank count) samples the answers of an uninterrupted one
-            gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + p)
-            write_json(_part_path(parts, p), _answer(chunk(p), backend, max_turns=max_turns, generator=gen, bar=bar))
-    return len(mine) - len(todo)
-
-
-#: What the manifest counts (``outputs``).
+#: What the manifest counts (``outputs``), summed over the conversations.
 _COUNTS = ("conversations", "answers", "new_tokens", "cut_at_max_new_tokens", "empty_answers", "prompt_too_long")
+
+
+# --------------------------------------------------------------------------- the journal
+
+
+class Journal:
+    """An append-only file of finished conversations, one JSON line each (``{"i", "record", "counts"}``).
+
+    A line is written and flushed as soon as its conversation is done, and the file is fsynced every few
+    seconds, so a killed run loses at most the conversation in flight; a line cut by the kill is removed when
+    the file is opened again. One writer per file (each rank has its own).
+    """
+
+    def __init__(self, path: Path, *, fsync_every: float = 5.0) -> None:
+        self.path, self.fsync_every = path, fsync_every
+        self._f = None
+        self._synced = time.monotonic()
+
+    def __enter__(self) -> "Journal":
+        if self.path.is_file():  # drop a last line a kill cut short
+            data = self.path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                with open(self.path, "r+b") as f:
+                    f.truncate(end)
+        self._f = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def append(self, i: int, record: dict[str, Any] | None, counts: dict[str, int]) -> None:
+        self._f.write(json.dumps({"i": i, "record": record, "counts": counts}, ensure_ascii=False) + "\n")
+        self._f.flush()
+        if time.monotonic() - self._synced > self.fsync_every:
+            os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def read_journals(parts: Path) -> dict[int, dict[str, Any]]:
+    """Every finished conversation the journals in ``parts`` hold, by prompt index (a last line cut by a kill
+    is ignored; a damaged line elsewhere is an error naming it)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted(parts.glob("journal-rank*.jsonl")) if parts.is_dir() else ():
+        lines = path.read_text(encoding="utf-8").split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                if n == len(lines):  # the last line, without its newline: cut by a kill
+                    continue
+                raise EyasError(f"{path} line {n} is damaged; remove {parts} and run again") from None
+            out.setdefault(int(entry["i"]), entry)
+    return out
+
+
+# --------------------------------------------------------------------------- conversations
 
 
 @dataclass
 class Answer:
-    """One generated turn: its text (None when the conversation no longer fits the verifier's context), whether
-    the verifier ended it itself (else it was cut at ``max_new_tokens``), and how many tokens it took."""
+    """One generated turn: its text (None when the conversation no longer fits ``max_seq_len``), whether the
+    verifier ended it itself (else it was cut at ``max_new_tokens``), and how many tokens it took."""
 
     text: str | None
     finished: bool
     tokens: int
 
 
-class LocalVerifier:
-    """Answers from the verifier loaded here: batched, left-padded decoding with its own KV cache."""
+def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journal: Journal, done: int, total: int,
+              desc: str, show: bool) -> int:  # fmt: skip
+    """Every prompt of ``todo`` answered turn by turn, all conversations in flight at once: each next turn is
+    submitted as soon as the answer before it is back. Each finished conversation goes to ``journal``.
+    Returns the new tokens decoded."""
+    from tqdm.auto import tqdm
 
-    def __init__(self, model, tok, *, eos_ids: set[int], pad_id: int, max_new_tokens: int, temperature: float,
-                 batch_size: int) -> None:  # fmt: skip
-        self.model, self.tok, self.eos_ids, self.pad_id = model, tok, eos_ids, pad_id
-        self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
-        self.limit = getattr(model.config, "max_position_embeddings", None)
-        self.device = model.device  # with a device map: where the embedding (the first layer) sits
-
-    def answer(self, conversations: list[list[dict[str, str]]], generator: torch.Generator) -> list[Answer]:
-        from eyas.evaluate import encode_prompt
-
-        encoded = [encode_prompt(self.tok, c) for c in conversations]
-        out: list[Answer | None] = [None] * len(encoded)
-        fits = []
-        for i, ids in enumerate(encoded):
-            if self.limit is not None and len(ids) + self.max_new_tokens > self.limit:
-                out[i] = Answer(None, False, 0)
+    answers: dict[int, list[str]] = {i: [] for i in todo}
+    counts = {i: dict.fromkeys(_COUNTS, 0) for i in todo}
+    last = {i: min(len(prompts[i].turns), max_turns or len(prompts[i].turns)) - 1 for i in todo}
+    new_tokens, t0 = 0, time.perf_counter()
+    with tqdm(total=total, initial=done, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True,
+              disable=not show) as bar:  # fmt: skip
+        for i in todo:
+            backend.submit(i, 0, prompts[i].messages([]))
+        for i, a in backend.results():
+            c, said = counts[i], answers[i]
+            c["new_tokens"] += a.tokens
+            new_tokens += a.tokens
+            over = True
+            if a.text is None:
+                c["prompt_too_long"] += 1
+            elif not a.text:  # an empty turn would be cut by `eyas prepare` anyway; end the conversation here
+                c["empty_answers"] += 1
             else:
-                fits.append(i)
-        fits.sort(key=lambda i: len(encoded[i]))  # similar lengths together: less left padding
-        for a in range(0, len(fits), self.batch_size):
-            batch = fits[a : a + self.batch_size]
-            made = _generate(self.model, [encoded[i] for i in batch], eos_ids=self.eos_ids, pad_id=self.pad_id,
-                             max_new_tokens=self.max_new_tokens, temperature=self.temperature, generator=generator,
-                             device=self.device)  # fmt: skip
-            for i, ids in zip(batch, made):
-                finished = bool(ids) and ids[-1] in self.eos_ids
+                said.append(a.text)
+                c["answers"] += 1
+                if not a.finished:
+                    c["cut_at_max_new_tokens"] += 1
+                else:
+                    over = len(said) > last[i]
+            if not over:
+                backend.submit(i, len(said), prompts[i].messages(said))
+                continue
+            p = prompts[i]
+            # Prompt.messages ends on the next user turn while one is left: that turn went unanswered, so it goes
+            record = None
+            if said:
+                record = {"id": p.id, "messages": p.messages(said)[: 2 * len(said) + (1 if p.system else 0)]}
+            c["conversations"] = int(record is not None)
+            journal.append(i, record, c)
+            del answers[i], counts[i]
+            bar.update(1)
+            bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
+    return new_tokens
+
+
+def _request_seed(seed: int, i: int, turn: int) -> int:
+    """The sampling seed of prompt ``i``'s turn ``turn``: the same whichever rank or batch decodes it."""
+    return (seed * 1_000_003 + i) * 1_009 + turn
+
+
+def _backend(*, server, server_model, api_key_env, concurrency, info, tok, device, device_map, dtype, max_new_tokens,
+             max_seq_len, batch_tokens, temperature, seed, d):  # fmt: skip
+    if server:
+        return ServerBackend(Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=seed, api_key_env=api_key_env), concurrency=concurrency)  # fmt: skip
+    from eyas.generate import default_batch_tokens
+    from eyas.verifier import build_text_model
+
+    where = None if device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
+    model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
+    budget = batch_tokens or default_batch_tokens(model, max_len=max_seq_len)
+    return LocalBackend(model, tok, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, batch_tokens=budget,
+                        temperature=temperature, seed=seed)  # fmt: skip
+
+
+class LocalBackend:
+    """Answers from the verifier loaded here, through the generation engine's continuous batching."""
+
+    def __init__(self, model, tok, *, max_new_tokens: int, max_seq_len: int, batch_tokens: int, temperature: float,
+                 seed: int) -> None:  # fmt: skip
+        from eyas.generate import BatchDecoder, RequestQueue, end_of_turn_ids
+
+        # a verifier with a shorter context than --max-seq-len answers what fits its context
+        max_seq_len = min(max_seq_len, getattr(model.config, "max_position_embeddings", None) or max_seq_len)
+        self.tok, self.max_new_tokens, self.max_seq_len, self.seed = tok, max_new_tokens, max_seq_len, seed
+        self.eos_ids = end_of_turn_ids(tok)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
+        # device_map spreads layers over devices: CUDA graphs record one device's stream only
+        graphs = not getattr(model, "hf_device_map", None)
+        self.decoder = BatchDecoder(model, eos_ids=self.eos_ids, max_len=max_seq_len, batch_tokens=batch_tokens,
+                                    temperature=temperature, pad_id=pad, cuda_graphs=graphs)  # fmt: skip
+        self.queue = RequestQueue()
+        self._early: list[tuple[int, Answer]] = []
+
+    def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
+        from eyas.generate import Request, encode_prompt
+
+        ids = encode_prompt(self.tok, messages)
+        if len(ids) + self.max_new_tokens > self.max_seq_len:
+            self._early.append((i, Answer(None, False, 0)))
+            return
+        self.queue.push(Request(key=i, tokens=ids, max_new_tokens=self.max_new_tokens,
+                                seed=_request_seed(self.seed, i, turn)))  # fmt: skip
+
+    def results(self) -> Iterator[tuple[int, Answer]]:
+        while self._early or self.queue:
+            while self._early:
+                yield self._early.pop()
+            for c in self.decoder.run(self.queue):
+                ids = c.tokens[:-1] if c.finished else c.tokens
                 # special tokens inside an answer are dropped: the template writes the turn's own controls
-                text = self.tok.decode(ids[:-1] if finished else ids, skip_special_tokens=True).strip()
-                out[i] = Answer(text, finished, len(ids))
-        return out  # type: ignore[return-value]
+                yield c.key, Answer(self.tok.decode(ids, skip_special_tokens=True).strip(), c.finished, len(c.tokens))
+                while self._early:
+                    yield self._early.pop()
+
+
+class ServerBackend:
+    """Answers from an OpenAI-compatible server, ``concurrency`` requests in flight."""
+
+    def __init__(self, server: "Server", *, concurrency: int) -> None:
+        self.server = server
+        self.pool = ThreadPoolExecutor(max_workers=concurrency)
+        self.pending: dict[Future, int] = {}
+
+    def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
+        self.pending[self.pool.submit(self.server.answer_one, messages, _request_seed(self.server.seed, i, turn))] = i
+
+    def results(self) -> Iterator[tuple[int, Answer]]:
+        try:
+            while self.pending:
+                done, _ = wait(list(self.pending), return_when=FIRST_COMPLETED)
+                for f in done:
+                    yield self.pending.pop(f), f.result()
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Server:
     """Answers from an OpenAI-compatible chat-completions endpoint serving the verifier (vLLM, SGLang, ...), for
-    verifiers too large to load here. ``batch_size`` requests run at once. The API key is read from the
-    environment variable ``api_key_env`` (or a ``user:password@`` in the URL is used) and sent only in the
-    Authorization header: never written anywhere."""
+    verifiers too large to load here. The API key is read from the environment variable ``api_key_env`` (or a
+    ``user:password@`` in the URL is used) and sent only in the Authorization header: never written anywhere."""
 
     def __init__(self, url: str, model: str | None, *, max_new_tokens: int, temperature: float, seed: int,
-                 batch_size: int, api_key_env: str, retries: int = 3, timeout: float = 600.0) -> None:  # fmt: skip
+                 api_key_env: str, retries: int = 3, timeout: float = 600.0) -> None:  # fmt: skip
         import base64
-        import os
         from urllib.parse import unquote, urlsplit
 
         self.url = _without_credentials(url).rstrip("/")  # what messages may show
@@ -306,7 +447,7 @@ class Server:
             pair = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
             self.auth = "Basic " + base64.b64encode(pair).decode()
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.batch_size, self.retries, self.timeout = batch_size, retries, timeout
+        self.retries, self.timeout = retries, timeout
         self.model = model or self._first_model()
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -340,9 +481,9 @@ class Server:
             raise EyasError(f"{self.url}/models answered {status} {str(got)[:200]!r}: name the served model with "
                             "--server-model") from None  # fmt: skip
 
-    def _one(self, messages: list[dict[str, str]]) -> Answer:
+    def answer_one(self, messages: list[dict[str, str]], seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature, **({"seed": self.seed} if self.temperature > 0 else {})}  # fmt: skip
+                "temperature": self.temperature, **({"seed": seed} if self.temperature > 0 else {})}  # fmt: skip
         status, got = self._request("/chat/completions", body)
         if status == 400 and any(w in str(got).lower() for w in ("context", "too long", "maximum")):
             return Answer(None, False, 0)
@@ -355,94 +496,6 @@ class Server:
             raise EyasError(f"{self.url}/chat/completions answered no choices[0].message: {str(got)[:300]}") from None
         tokens = int((got.get("usage") or {}).get("completion_tokens") or 0)
         return Answer(text.strip(), choice.get("finish_reason") != "length", tokens)
-
-    def answer(self, conversations: list[list[dict[str, str]]], generator: torch.Generator) -> list[Answer]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=self.batch_size) as pool:
-            return list(pool.map(self._one, conversations))
-
-
-def _answer(prompts, backend, *, max_turns: int | None, generator: torch.Generator, bar) -> dict[str, Any]:
-    """One part: every prompt answered turn by turn -> ``{"records": [...], "counts": {...}}``; ``bar`` moves
-    as each prompt gets its last answer."""
-    last = [min(len(p.turns), max_turns or len(p.turns)) - 1 for p in prompts]  # the last turn answered
-    answers: list[list[str]] = [[] for _ in prompts]
-    open_ = [True] * len(prompts)  # still being answered
-    counts = dict.fromkeys(_COUNTS, 0)
-
-    def close(i: int) -> None:
-        open_[i] = False
-        bar.update(1)
-
-    for t in range(max(last) + 1):
-        todo = [i for i in range(len(prompts)) if open_[i]]
-        for i, a in zip(todo, backend.answer([prompts[i].messages(answers[i]) for i in todo], generator)):
-            counts["new_tokens"] += a.tokens
-            if a.text is None:
-                counts["prompt_too_long"] += 1
-                close(i)
-            elif not a.text:  # an empty turn would be cut by `eyas prepare` anyway; end the conversation here
-                counts["empty_answers"] += 1
-                close(i)
-            else:
-                answers[i].append(a.text)
-                counts["answers"] += 1
-                if not a.finished:
-                    counts["cut_at_max_new_tokens"] += 1
-                    close(i)
-                elif t == last[i]:
-                    close(i)
-    # Prompt.messages ends on the next user turn while one is left: that turn went unanswered, so it goes
-    records = [{"id": p.id, "messages": p.messages(ans)[: 2 * len(ans) + (1 if p.system else 0)]}
-               for p, ans in zip(prompts, answers) if ans]  # fmt: skip
-    counts["conversations"] = len(records)
-    return {"records": records, "counts": counts}
-
-
-def _generate(model, prompts: list[list[int]], *, eos_ids: set[int], pad_id: int, max_new_tokens: int,
-              temperature: float, generator: torch.Generator, device: torch.device) -> list[list[int]]:  # fmt: skip
-    """Decode a batch of token-id prompts (left-padded) with the model's own KV cache; each result ends at its
-    first end-of-turn id (kept) or after ``max_new_tokens``."""
-    from transformers import DynamicCache
-
-    from eyas.evaluate import cache_keyword
-    from eyas.verifier import varying_shape_attention
-
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding: every prompt ends where the answers begin
-        ids[b, L - len(p) :] = torch.tensor(p)
-        attn[b, L - len(p) :] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]: each prompt counts from 0 at its first token
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    cache = {cache_keyword(model): DynamicCache(config=model.config)}
-    step_ids, step_pos = ids, position_ids
-    for _ in range(max_new_tokens):
-        with varying_shape_attention(device):  # the key length grows every step: no cuDNN plan per shape
-            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, use_cache=True,
-                        logits_to_keep=1, **cache)  # fmt: skip
-        logits = res.logits[:, -1].float()  # [B, V]
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits / temperature, -1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=generator).flatten().to(device)
-        nxt_cpu = nxt.cpu()
-        for b in range(B):
-            if not done[b]:
-                out[b].append(int(nxt_cpu[b]))
-        done |= torch.isin(nxt, eos).cpu()
-        if bool(done.all()):
-            break
-        step_ids = nxt[:, None]  # [B, 1]
-        step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
-    return out
 
 
 def _without_credentials(url: str) -> str:
@@ -462,6 +515,6 @@ def _print_summary(out_dir: Path, o: dict[str, Any]) -> None:
         f"regenerate: {o['prompts']:,} prompts, {o['conversations']:,} conversations with {o['answers']:,} answers "
         f"by the verifier -> {out_dir / CONVERSATIONS}\n  {o['new_tokens']:,} new tokens; "
         f"{o['cut_at_max_new_tokens']:,} answers cut at --max-new-tokens, {o['empty_answers']:,} empty, "
-        f"{o['prompt_too_long']:,} prompts past the verifier's context\n"
+        f"{o['prompt_too_long']:,} turns past --max-seq-len\n"
         f"  next: eyas prepare --verifier ... --data {out_dir} --out ..."
     )
