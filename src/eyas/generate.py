@@ -309,13 +309,15 @@ class SequenceDecoder:
     def forward(self, input_ids: torch.Tensor, start: int, *, last_only: bool = False):
         """``input_ids [T]`` at positions ``start..start+T-1`` -> (logits ``[T or 1, V]`` float32, aux
         ``[T, 3H]`` or None). Positions ``>= start`` from earlier calls are forgotten (rolled back)."""
+        from eyas.verifier import varying_shape_attention
+
         T = input_ids.shape[0]
         if start + T > self.capacity:
             raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.capacity}")
         slots = self.slots
         slots.start.fill_(start)
         slots.keys = key_bucket(start + T, self.capacity)
-        with slot_attention(self.model, slots), contextlib.ExitStack() as stack:
+        with slot_attention(self.model, slots), varying_shape_attention(self.device), contextlib.ExitStack() as stack:
             if self.capture is not None:
                 stack.enter_context(self.capture)
             if T in self.graph_lengths and not last_only and self.graphs.enabled:
@@ -498,24 +500,31 @@ class BatchDecoder:
         """Answer every request of ``queue``, yielding each as it completes (in completion order). The caller
         may push more requests between completions (a conversation's next turn); the loop ends when the queue
         is empty and every slot is free."""
+        import numpy as np
+
+        from eyas.verifier import varying_shape_attention
+
         S, N = self.num_slots, self.sync_every
         active: list[Request | None] = [None] * S
         made: list[list[int]] = [[] for _ in range(S)]
-        at: list[int] = [0] * S  # the position of each active row's next fed token (host copy of self.pos)
-        with slot_attention(self.model, self.slots):
+        at = np.zeros(S, dtype=np.int64)  # the position of each active row's next fed token (host copy of self.pos)
+        room = np.zeros(S, dtype=np.int64)  # new tokens each active row may still take
+        eos = np.array(sorted(self.eos_ids), dtype=np.int64)
+        block = torch.empty(N, S, dtype=torch.long, device=self.device)
+        # prefills see a new shape every time: flash / memory-efficient attention, no per-shape cuDNN plans
+        with slot_attention(self.model, self.slots), varying_shape_attention(self.device):
             while True:
                 free = [s for s in range(S) if active[s] is None]
                 # refill: at once when idle, else once a sixteenth of the slots is free (a prefill is one eager
                 # forward; batching them keeps its cost per prompt low)
                 if queue and free and (len(free) == S or len(free) >= max(1, S // 16) or len(queue) < len(free)):
-                    yield from self._admit(queue, free, active, made, at)
-                busy = [s for s in range(S) if active[s] is not None]
-                if not busy:
+                    yield from self._admit(queue, free, active, made, at, room)
+                busy = np.array([s for s in range(S) if active[s] is not None], dtype=np.int64)
+                if not len(busy):
                     if not queue:
                         return
                     continue
-                self.slots.keys = key_bucket(max(at[s] for s in busy) + N + 1, self.max_len)
-                block = torch.empty(N, S, dtype=torch.long, device=self.device)
+                self.slots.keys = key_bucket(int(at[busy].max()) + N + 1, self.max_len)
                 for i in range(N):
                     nxt = self.graphs.run(("step", self.slots.keys), self._step)
                     block[i] = nxt
@@ -523,11 +532,18 @@ class BatchDecoder:
                     self.pos.add_(1).clamp_(max=self.max_len - 1)
                 self.stats["steps"] += N
                 self.stats["slot_steps_used"] += N * len(busy)
-                host = block.T.tolist()  # [S][N]: the block's one device->host sync
+                host = block[:, busy].cpu().numpy()  # [N, busy]: the block's one device->host sync
+                at[busy] += N
+                # per row: tokens up to its first end-of-turn id or its remaining room, whichever comes first
+                hit = np.isin(host, eos)
+                first_eos = np.where(hit.any(0), hit.argmax(0) + 1, N + 1)  # 1-based; N + 1: none
+                take = np.minimum(np.minimum(first_eos, room[busy]), N)
+                ends = (first_eos <= take) | (take >= room[busy])
                 done = []
-                for s in busy:
-                    at[s] += N
-                    if self._extend(active[s], made[s], host[s]):
+                for j, s in enumerate(busy.tolist()):
+                    made[s].extend(host[: take[j], j].tolist())
+                    room[s] -= take[j]
+                    if ends[j]:
                         done.append(s)
                 for s in done:
                     r, toks = active[s], made[s]
@@ -541,16 +557,7 @@ class BatchDecoder:
     def _limit(self, r: Request) -> int:
         return min(r.max_new_tokens, self.max_len - len(r.tokens))
 
-    def _extend(self, r: Request, toks: list[int], new: list[int]) -> bool:
-        """Append a row's new tokens up to its end of turn or limit; True when the answer is complete."""
-        limit = self._limit(r)
-        for t in new:
-            toks.append(t)
-            if t in self.eos_ids or len(toks) >= limit:
-                return True
-        return False
-
-    def _admit(self, queue: RequestQueue, free: list[int], active, made, at) -> Iterator[Completion]:
+    def _admit(self, queue: RequestQueue, free: list[int], active, made, at, room) -> Iterator[Completion]:
         """Prefill waiting requests into free slots (as many as fit ``prefill_tokens`` per forward)."""
         while queue and free:
             batch: list[tuple[int, Request]] = []
@@ -568,14 +575,13 @@ class BatchDecoder:
                 continue
             firsts = self._prefill(batch)
             for (s, r), t in zip(batch, firsts):
-                toks = [t]
-                if t in self.eos_ids or len(toks) >= self._limit(r):
+                if t in self.eos_ids or self._limit(r) <= 1:
                     self.pos[s] = 0
                     self.tok[s] = self.pad_id
                     free.append(s)
-                    yield Completion(r.key, toks, finished=t in self.eos_ids)
+                    yield Completion(r.key, [t], finished=t in self.eos_ids)
                     continue
-                active[s], made[s], at[s] = r, toks, len(r.tokens)
+                active[s], made[s], at[s], room[s] = r, [t], len(r.tokens), self._limit(r) - 1
 
 
 def default_batch_tokens(model, *, max_len: int, fraction: float = 0.4, cpu_tokens: int = 16384) -> int:
