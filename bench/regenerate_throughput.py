@@ -86,7 +86,9 @@ def run_hf_static(model, prompts: list[list[int]], *, eos, pad: int, max_new_tok
               cache_implementation="static")  # fmt: skip
 
     def one(idx: list[int]) -> int:
-        L = max(len(prompts[i]) for i in idx)
+        # padded to a power of two (at least 128): a static cache recompiles for every new shape, so a few
+        # bucketed lengths keep generate on its compiled graphs
+        L = max(128, 1 << (max(len(prompts[i]) for i in idx) - 1).bit_length())
         ids = torch.full((len(idx), L), pad, dtype=torch.long)
         att = torch.zeros_like(ids)
         for b, i in enumerate(idx):
@@ -96,7 +98,10 @@ def run_hf_static(model, prompts: list[list[int]], *, eos, pad: int, max_new_tok
         return sum(kept(o, eos) for o in out)
 
     t0 = time.perf_counter()
-    one(order[:batch])  # warm-up: generate compiles its static-cache forward on CUDA
+    for a in range(0, len(order), batch):  # warm-up: generate compiles its forward for each padded length
+        if a == 0 or max(map(len, (prompts[i] for i in order[a : a + batch]))) > max(
+                len(prompts[i]) for i in order[a - batch : a]):  # fmt: skip
+            one(order[a : a + batch][:8])
     sync(dev)
     warm = time.perf_counter() - t0
     tokens, t0 = 0, time.perf_counter()
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=None, help="the engine's budget (default: its own)")
     ap.add_argument("--hf-batch", type=int, default=256)
+    ap.add_argument("--max-prompt-len", type=int, default=None,
+                    help="keep prompts of at most this many tokens (one padded length: generate compiles once)")
     ap.add_argument("--methods", default="engine,hf-static,hf-cb")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few prompts: checks it runs")
@@ -157,6 +164,8 @@ def main() -> None:
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     prompts = [encode_prompt(tok, [{"role": "user", "content": t}]) for t in texts]
     prompts = [p for p in prompts if len(p) + args.max_new_tokens <= args.max_seq_len]  # regenerate's rule
+    if args.max_prompt_len:
+        prompts = [p for p in prompts if len(p) <= args.max_prompt_len]
     common = {"verifier": info.path, "prompts": args.prompts if not args.smoke else "smoke",
               "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "dtype": args.dtype,

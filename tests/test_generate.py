@@ -176,3 +176,29 @@ def test_memory_follows_the_budget_not_the_prompts(make_tiny):
     prefill_bound = 2048 * (64 + 128 + 4 * 1024) * 4 * 4
     assert long["growth"] <= long["kv"] + prefill_bound + (48 << 20), long
     assert short["growth"] >= short["kv"]  # the buffers are real memory, allocated whatever the prompts
+
+
+def test_compiled_layers_equal_eager(make_tiny):
+    """Regional compilation (what the engine records into its CUDA graphs on a GPU): the decoder layers
+    compiled, the slot attention a graph break, hidden-state capture hooks outside: the same logits and the
+    same captured states as eager layers, for a decoding step of 3 rows at different positions."""
+    from eyas.generate import Slots, compiled_layers, layer_shapes, slot_attention
+    from eyas.verifier import HiddenStateCapture
+
+    t = make_tiny("qwen3")
+    model = build_text_model(resolve(t.path))
+    slots = Slots(slots=3, capacity=64, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.tensor([[5], [9], [11]])
+    slots.start = torch.tensor([0, 3, 7])
+    slots.keys = 64
+    outs = []
+    for compiled in (False, True):
+        with slot_attention(model, slots), HiddenStateCapture(model, [1, 4]) as cap, torch.no_grad():
+            ctx = compiled_layers(model) if compiled else torch.enable_grad()  # (a no-op context under no_grad)
+            with ctx, torch.no_grad():
+                slots.begin()
+                logits = model(input_ids=ids, position_ids=slots.start[:, None], use_cache=False).logits
+            outs.append((logits, cap.aux()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
+    assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block

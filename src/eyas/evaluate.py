@@ -523,14 +523,15 @@ class Runners:
     draft_tokens: list[int]
 
     @classmethod
-    def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int,
-              cuda_graphs: bool = True) -> "Runners":  # fmt: skip
+    def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int, cuda_graphs: bool = True,
+              compile: bool = True) -> "Runners":  # fmt: skip
         """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front."""
         Ks = sorted(set(draft_tokens))
+        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile)
         r = cls(
-            spec=SequenceDecoder(model, capacity=max_len, aux_layer_ids=draft.config.aux_layer_ids,
-                                 graph_lengths=[K + 1 for K in Ks], cuda_graphs=cuda_graphs),
-            base=SequenceDecoder(model, capacity=max_len, graph_lengths=(1,), cuda_graphs=cuda_graphs),
+            spec=SequenceDecoder(model, aux_layer_ids=draft.config.aux_layer_ids, graph_lengths=[K + 1 for K in Ks],
+                                 **kw),  # fmt: skip
+            base=SequenceDecoder(model, graph_lengths=(1,), **kw),
             draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs),
             draft_tokens=Ks,
         )  # fmt: skip
@@ -755,6 +756,7 @@ def evaluate(
     device: str | None = None,
     dtype: str = "auto",
     cuda_graphs: bool = True,
+    compile: bool = True,
     baseline: bool = True,
     recheck_fp32: bool = False,
     trust_remote_code: bool = False,
@@ -786,6 +788,8 @@ def evaluate(
         dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.
         cuda_graphs: on CUDA, record every fixed-shape decoding forward (plain step, verification, draft steps)
             once as a CUDA graph and replay it, for both loops alike.
+        compile: with CUDA graphs, compile the verifier's decoder layers (torch.compile, one layer's worth of
+            compiling) for the recorded forwards of both loops alike: fewer, fused kernels a step.
         baseline: also run plain decoding (needed for the lossless check and the speedup).
         recheck_fp32: decode every turn whose speculative output differs from plain greedy decoding again in
             fp32, to tell near-ties of the compute dtype from real differences.
@@ -804,7 +808,8 @@ def evaluate(
                 trust_remote_code=trust_remote_code)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
-    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs)
+    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs,
+                            compile=compile)  # fmt: skip
     graphs = runners.base.graphs.enabled
     m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
@@ -825,6 +830,7 @@ def evaluate(
         "device": str(dev),
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
+        "compile": graphs and runners.base.graphs.compile_model is not None,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
         "end_of_turn_ids": sorted(env["eos_ids"]),
@@ -859,7 +865,7 @@ def _print_report(r: dict[str, Any]) -> None:
         ("prompts", f"{r['num_prompts']} ({r['num_turns']} turns, {r['generated_tokens']} tokens) from {r['prompts']}"),
         ("draft", r["draft"] + ("  (random: untrained)" if r["draft_is_random"] else "")),
         ("setting", f"K={r['draft_tokens']}  T={r['temperature']:g}  {r['device']} {r['dtype']}  "
-                    f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}  batch 1"),
+                    f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}{'  compiled' if r['compile'] else ''}  batch 1"),
         ("tau (tokens per verifier forward)", f"{r['tau']:.3f}  over {r['rounds']} rounds"),
     ]  # fmt: skip
     if "predicted_tau" in r:

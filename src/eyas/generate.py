@@ -171,7 +171,8 @@ def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | 
 def _register() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION, _attention)
+    # never traced by torch.compile: its Python reads the slots' current layout and key length
+    AttentionInterface.register(ATTENTION, torch.compiler.disable(_attention))
 
 
 @contextlib.contextmanager
@@ -232,38 +233,78 @@ class Graphs:
     same keys and values each time), which the decoders guarantee by updating their state outside ``fn``.
     A model whose forward cannot be captured (host synchronisation inside, as MoE routing in some
     transformers versions does) is run eagerly from then on, after one note.
+
+    With ``compile_model``, the warm-up and capture run that model's decoder layers compiled
+    (:func:`compiled_layers`): the graph then replays fused kernels. At batch size 1 a decoding step is
+    launch-bound (about 50 small kernels a layer eagerly), so fusing them is what makes a step fast.
     """
 
-    def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
+    def __init__(self, device: torch.device, *, enabled: bool = True, compile_model=None) -> None:
         self.enabled = enabled and device.type == "cuda"
+        self.compile_model = compile_model if self.enabled else None
         self.graphs: dict[Any, tuple[Any, Any]] = {}
 
     def run(self, key: Any, fn: Callable[[], Any]) -> Any:
         if not self.enabled:
             return fn()
         if key not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    out = fn()
-            except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
-                import sys
+            with contextlib.ExitStack() as stack:
+                if self.compile_model is not None:
+                    stack.enter_context(compiled_layers(self.compile_model))
+                try:
+                    self.graphs[key] = self._capture(fn)
+                except Exception as e:  # e.g. "operation not permitted when stream is capturing", a compiler error
+                    import sys
 
-                print(f"eyas: decoding runs without CUDA graphs (the verifier's forward cannot be captured: "
-                      f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
-                self.enabled = False
-                torch.cuda.synchronize()
-                return fn()
-            self.graphs[key] = (graph, out)
+                    torch.cuda.synchronize()
+                    if self.compile_model is not None:
+                        print(f"eyas: decoding without torch.compile ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                        self.compile_model = None
+                        return self.run(key, fn)
+                    print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
+                          f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                    self.enabled = False
+                    return fn()
         graph, out = self.graphs[key]
         graph.replay()
         return out
+
+    @staticmethod
+    def _capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+
+@contextlib.contextmanager
+def compiled_layers(model) -> Iterator[None]:
+    """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
+    (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
+    model; PyTorch's "regional compilation" recipe). The slot attention stays eager (a graph break: it is
+    registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
+    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code."""
+    layers = model.base_model.layers
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # a few shapes (one per decoding length) per layer
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    for layer in layers:
+        if "_eyas_compiled" not in layer.__dict__:
+            layer._eyas_compiled = torch.compile(layer.forward, dynamic=False)
+        layer.forward = layer._eyas_compiled  # an instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -275,11 +316,13 @@ class SequenceDecoder:
     returns the hidden states entering those layers (what an EAGLE-3 draft reads), captured as they pass.
 
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
-    plain decoding step over one, each a CUDA graph per key-length bucket; a prompt of any length runs eagerly.
+    plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
+    ``compile``); a prompt of any length runs eagerly.
     """
 
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
-                 graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True) -> None:  # fmt: skip
+                 graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
+                 compile: bool = True) -> None:  # fmt: skip
         from eyas.verifier import HiddenStateCapture
 
         self.model = model
@@ -290,7 +333,7 @@ class SequenceDecoder:
         if self.capture is not None:
             self.capture.remove()  # attached only during this decoder's forwards
         self.graph_lengths = set(graph_lengths)
-        self.graphs = Graphs(self.device, enabled=cuda_graphs)
+        self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None)
         self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length
         self._pos: dict[int, torch.Tensor] = {}
 
@@ -424,12 +467,12 @@ class BatchDecoder:
     slots of ``max_len`` positions each) and ``prefill_tokens`` (new prompts are prefilled together,
     right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
     steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
-    slot); the steps themselves are CUDA graphs on CUDA.
+    slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
     """
 
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
-                 cuda_graphs: bool = True) -> None:  # fmt: skip
+                 cuda_graphs: bool = True, compile: bool = True) -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -448,7 +491,7 @@ class BatchDecoder:
         self.pos = torch.zeros(S, 1, dtype=torch.long, device=dev)  # its position
         self.seed = torch.zeros(S, dtype=torch.long, device=dev)
         self.slots.start = self.pos[:, 0]  # a view: the rows' positions as the step graphs read them
-        self.graphs = Graphs(dev, enabled=cuda_graphs)
+        self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None)
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0}
 
     @property
