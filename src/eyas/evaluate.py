@@ -591,15 +591,18 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     conditional_accuracy[j]``.
     """
     from eyas.features import FeatureReader
-    from eyas.verifier import build_final_norm, load_head_tensors
+    from eyas.loss import TargetHead
+    from eyas.verifier import load_head_tensors
 
     reader = FeatureReader(features, dtype=torch.float32)
     if list(reader.layer_ids) != list(draft.config.aux_layer_ids):
         raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads "
                         f"{draft.config.aux_layer_ids}; extract features with the draft's --layers")  # fmt: skip
     rows = [r for r in rows if 0 <= r < len(reader)][:max_rows] if rows else list(range(min(max_rows, len(reader))))
-    norm = build_final_norm(info, dtype=torch.float32, device=str(device))
-    head = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
+    full = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
+    # the whole head as "draft" rows in target-id order: the targets' argmax is the full-vocab argmax
+    head = TargetHead.for_verifier(info, rows=full, draft_target_ids=torch.arange(len(full), device=device),
+                                   device=device)  # fmt: skip
     reached = torch.zeros(steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
     right = torch.zeros(steps, dtype=torch.long)
     for i in rows:
@@ -608,7 +611,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
         if T < steps + 2:
             continue
         last = row.last_hidden_state.to(device)
-        greedy = torch.cat([(norm(last[s : s + chunk]) @ head.T).argmax(-1) for s in range(0, T, chunk)])  # [T]
+        greedy = torch.cat([head(last[s : s + chunk], pad=0).argmax for s in range(0, T, chunk)])  # [T]
         length = ttt_chain_lengths(draft, row.input_ids.to(device), row.aux_hidden_states.to(device), greedy,
                                    steps=steps).cpu()  # fmt: skip
         mask = row.loss_mask.bool()

@@ -863,7 +863,7 @@ def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
 def _train(d, **a: Any) -> dict[str, Any]:
     from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.model import DraftConfig, Eagle3Draft, default_attn_implementation
-    from eyas.verifier import build_final_norm, build_text_model, fingerprint, load_head_tensors, resolve
+    from eyas.verifier import build_text_model, fingerprint, load_head_tensors, resolve
 
     out = Path(a["out"])
     info = resolve(a["verifier"])
@@ -998,10 +998,10 @@ def _train(d, **a: Any) -> dict[str, Any]:
         # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
         rows = head_w.detach() if a["freeze_lm_head"] and head_w.dtype == compute_dtype else \
             heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
-        head = TargetHead(norm=build_final_norm(info, dtype=compute_dtype, device=str(where)),
-                          rows=rows, draft_target_ids=target_ids.to(where),
-                          rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
-                          rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
+        head = TargetHead.for_verifier(info, rows=rows, draft_target_ids=target_ids.to(where),
+                                       rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
+                                       rest_ids=rest_ids.to(where) if use_rest else None, dtype=compute_dtype,
+                                       device=where)  # fmt: skip
         del heads
         working = a["working_weights"] if a["working_weights"] is not None else not fsdp
         if working and fsdp:

@@ -662,14 +662,15 @@ def build_text_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = None,
 ):
     """A transformers ``*ForCausalLM`` of the verifier's text backbone, in eval mode.
 
     Built from the text config with transformers' own class (never remote
     code); weights are remapped from the checkpoint's prefix. Quantized
     weights (compressed-tensors, GGUF) load through transformers' quantizer
-    integrations.
+    integrations. Attention: transformers' default unless asked (SDPA where the class supports it, eager
+    otherwise: Gemma-2's softcapped attention has no SDPA path, and asking for SDPA there is an error).
     """
     from transformers import AutoModelForCausalLM
 
