@@ -465,6 +465,39 @@ def test_offline_prediction_from_features(setups, tmp_path):
     assert report["offline"]["rows"] == len(rows) and "predicted_tau" in report
 
 
+def test_offline_prediction_uses_the_rows_train_held_out(make_tiny, tmp_path, capsys):
+    """eval --offline predicts tau from exactly the validation rows the train stage held out (offline training on
+    those features, or online training on the prepared rows they came from), says so in the report and the
+    printed table, and takes the first rows of features the draft never trained on."""
+    import tiny
+
+    from eyas.extract import extract
+    from eyas.train import train
+
+    t = make_tiny("llama")
+    prep = tiny.write_prepared(tmp_path / "prep", tiny.random_rows(24, seed=3, lo=12, hi=30), verifier=t.path)
+    feats = tmp_path / "features"
+    extract(verifier=str(t.path), data=str(prep), out=str(feats), dtype="fp32", device="cpu")
+    kw = dict(verifier=str(t.path), epochs=1, max_steps=1, max_seq_len=64, num_workers=0, val_ratio=0.25, seed=5)
+    drafts = {"offline": (feats, tmp_path / "draft"), "online": (prep, tmp_path / "draft-online")}
+    for how, (data, out) in drafts.items():
+        train(data=str(data), out=str(out), online=how == "online", **kw)
+        held_out = json.loads((out / "manifest.json").read_text())["outputs"]["val_rows"]
+        assert len(held_out) == 6 and held_out != list(range(6))
+        capsys.readouterr()
+        report = ev.evaluate(verifier=str(t.path), draft=str(out), prompts=[PROMPTS[0]], max_new_tokens=4,
+                             offline=str(feats), offline_rows=100)  # fmt: skip
+        assert report["offline"]["row_ids"] == held_out and report["offline"]["rows_from"] == "validation", how
+        assert report["offline"]["rows"] == 6
+        assert "validation rows train held out (6 recorded)" in capsys.readouterr().out
+
+    other = tiny.write_prepared(tmp_path / "other", tiny.random_rows(5, seed=8, lo=12, hi=30), verifier=t.path)
+    extract(verifier=str(t.path), data=str(other), out=str(tmp_path / "other-features"), dtype="fp32", device="cpu")
+    report = ev.evaluate(verifier=str(t.path), draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4,
+                         offline=str(tmp_path / "other-features"), offline_rows=3)  # fmt: skip
+    assert report["offline"]["row_ids"] == [0, 1, 2] and report["offline"]["rows_from"] == "unseen"
+
+
 def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
     """The lossless check is not vacuous: a loop that accepts every draft token is reported, with the place and
     the verifier's logit gap there (large: not a near-tie)."""

@@ -621,7 +621,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
             reached[k] += int((valid & (length >= k)).sum())
             right[k] += int((valid & (length > k)).sum())
     cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(steps)]
-    return {"features": str(features), "rows": len(rows), "positions": int(reached[0]),
+    return {"features": str(features), "rows": len(rows), "row_ids": rows, "positions": int(reached[0]),
             "conditional_accuracy": cond, "predicted_tau": predicted_tau(cond)}  # fmt: skip
 
 
@@ -635,13 +635,41 @@ def _draft_manifest(draft_dir: str) -> dict[str, Any]:
     return {}
 
 
-def _validation_rows(manifest: dict[str, Any]) -> list[int] | None:
-    """The validation rows the train stage recorded (``val_rows`` in its outputs or settings), if any."""
-    for section in ("outputs", "settings"):
-        val = (manifest.get(section) or {}).get("val_rows")
-        if isinstance(val, list) and val:
-            return [int(r) for r in val]
-    return None
+def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
+    """Whether FEATURES hold the rows a draft was trained on, row for row: the train manifest's ``inputs.data``
+    names the features themselves (offline training) or the prepared rows they were extracted from (online:
+    extract's ``arrow_sha256`` hashes the same files' sha256 digests, in order)."""
+    import hashlib
+
+    from eyas.batches import FeatureRows
+
+    if "features" in train_data:
+        return FeatureRows(features, dtype=torch.float32).identity() == train_data
+    made_from = (FeatureRows(features, dtype=torch.float32).manifest.get("inputs") or {}).get("data") or {}
+    prepared = train_data.get("prepared")
+    return isinstance(prepared, list) and made_from.get("rows") == train_data.get("rows") and \
+        made_from.get("arrow_sha256") == hashlib.sha256("".join(prepared).encode()).hexdigest()  # fmt: skip
+
+
+def choose_offline_rows(manifest: dict[str, Any], features: str | Path) -> tuple[list[int] | None, str, str]:
+    """Which rows of FEATURES ``eyas eval --offline`` predicts tau from, and why: ``(rows, or None for the first
+    ones; kind; a sentence for the report)``.
+
+    The validation rows the train stage held out (``outputs.val_rows`` of its manifest) when FEATURES are the
+    rows it trained on; the first rows when they are other rows (none seen in training) or when there is no
+    train manifest (an imported or random draft). Features the draft trained on without a record of held-out
+    rows give an optimistic prediction, and the sentence says so.
+    """
+    data = (manifest.get("inputs") or {}).get("data")
+    if not manifest or not isinstance(data, dict):
+        return None, "unknown", "its first rows (the draft has no train manifest that says which rows it saw)"
+    if not _trained_on(data, features):
+        return None, "unseen", "its first rows (the draft was trained on other rows)"
+    val = (manifest.get("outputs") or {}).get("val_rows")
+    if isinstance(val, list) and val:
+        return [int(r) for r in val], "validation", f"the validation rows train held out ({len(val)} recorded)"
+    return None, "training", ("its first rows, which the draft trained on (its train manifest records no held-out "
+                              "rows): an optimistic prediction")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the stage
@@ -887,7 +915,8 @@ def evaluate(
         temperature: 0 for greedy acceptance; above 0 speculative sampling at this temperature.
         seed: seeds the prompt sample and all sampling.
         offline: an `eyas extract` features dir: also predict tau from the draft's per-step conditional accuracy
-            on those features (the validation rows the train stage recorded, else the first --offline-rows).
+            on those features: the validation rows train held out when they are the features (or prepared rows)
+            the draft trained on, else their first --offline-rows rows; the report says which.
         offline_rows: rows of --offline features to use at most.
         device: cuda or cpu (default: cuda when available).
         dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.
@@ -945,9 +974,10 @@ def evaluate(
     if trained_template and template_sha and trained_template != template_sha:
         report["warning"] = "the draft was trained on data rendered with another chat template"
     if offline:
-        rows = _validation_rows(env["draft_manifest"])
+        rows, kind, why = choose_offline_rows(env["draft_manifest"], offline)
         report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
                                              device=dev)  # fmt: skip
+        report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
     if out:
         json_path, png_path = _report_paths(out)
@@ -972,6 +1002,8 @@ def _print_report(r: dict[str, Any]) -> None:
     ]  # fmt: skip
     if "predicted_tau" in r:
         rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f}  (measured {r['tau']:.3f})"))
+        off = r["offline"]
+        rows.append(("offline rows", f"{off['rows']} rows of {off['features']}: {off['rows_note']}"))
     rows += [
         ("acceptance per position", fmt(r["acceptance_per_position"]) + "  (unconditional)"),
         ("conditional acceptance", fmt(r["conditional_acceptance_per_position"]) + "  (given the previous accepted)"),

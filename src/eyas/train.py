@@ -1058,7 +1058,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
             save_output(out, cfg, state, **save_meta)
             plot_curves(out, steps)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
-            summary.update(train=result["train"], val=result["val"], truncated_rows=truncated, skipped_rows=empty)
+            summary.update(train=result["train"], val=result["val"], truncated_rows=truncated, skipped_rows=empty,
+                           val_rows=rows_val.tolist())  # indices into --data's rows: `eyas eval --offline` reads them
             write_manifest(out, stage=STAGE, inputs=inputs, settings=settings, outputs=summary,
                            verifier_path=info.path, data_path=str(a["data"]))  # fmt: skip
             if result["train"]:
