@@ -498,6 +498,40 @@ def test_offline_prediction_uses_the_rows_train_held_out(make_tiny, tmp_path, ca
     assert report["offline"]["row_ids"] == [0, 1, 2] and report["offline"]["rows_from"] == "unseen"
 
 
+def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
+    """The chat-template hash travels prepare -> extract -> train (offline), so eval warns when the verifier's
+    template is not the one the draft's rows were rendered with, and stays quiet when it is."""
+    import tiny
+    from chat_templates import verifier_with
+
+    from eyas.data import prepare
+    from eyas.extract import extract
+    from eyas.train import train
+    from eyas.verifier import chat_template_hash
+
+    t = make_tiny("llama")
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}. " * 3}]}) + "\n"
+                            for i in range(8)))  # fmt: skip
+    prepared = prepare(verifier=str(t.path), data=str(data), out=str(tmp_path / "prep"), num_proc=1)
+    sha = prepared["inputs"]["chat_template_sha256"]
+    assert sha == chat_template_hash(load_tokenizer(str(t.path)))
+    feats = extract(verifier=str(t.path), data=str(tmp_path / "prep"), out=str(tmp_path / "feats"), dtype="fp32")
+    assert feats["inputs"]["chat_template_sha256"] == sha
+    train(verifier=str(t.path), data=str(tmp_path / "feats"), out=str(tmp_path / "draft"), epochs=1, max_steps=1,
+          max_seq_len=64, num_workers=0)  # fmt: skip
+    assert json.loads((tmp_path / "draft" / "manifest.json").read_text())["inputs"]["chat_template_sha256"] == sha
+
+    tok = tiny.make_tokenizer()
+    tok.chat_template = tiny.CHATML.replace("assistant\n", "assistant\n\n")
+    other = verifier_with(tok, t.path, tmp_path / "other-template")  # the same weights, another template
+    kw = dict(draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4)
+    assert "warning" not in ev.evaluate(verifier=str(t.path), **kw)
+    assert ev.evaluate(verifier=str(other), **kw)["warning"] == \
+        "the draft was trained on data rendered with another chat template"  # fmt: skip
+
+
 def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
     """The lossless check is not vacuous: a loop that accepts every draft token is reported, with the place and
     the verifier's logit gap there (large: not a near-tie)."""
