@@ -500,7 +500,8 @@ def test_offline_prediction_uses_the_rows_train_held_out(make_tiny, tmp_path, ca
 
 def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
     """The chat-template hash travels prepare -> extract -> train (offline), so eval warns when the verifier's
-    template is not the one the draft's rows were rendered with, and stays quiet when it is."""
+    template is not the one the draft's rows were rendered with, and stays quiet when it is (its own, or the
+    draft's given with --chat-template)."""
     import tiny
     from chat_templates import verifier_with
 
@@ -528,8 +529,27 @@ def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
     other = verifier_with(tok, t.path, tmp_path / "other-template")  # the same weights, another template
     kw = dict(draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4)
     assert "warning" not in ev.evaluate(verifier=str(t.path), **kw)
-    assert ev.evaluate(verifier=str(other), **kw)["warning"] == \
-        "the draft was trained on data rendered with another chat template"  # fmt: skip
+    assert ev.evaluate(verifier=str(other), **kw)["warning"].startswith(
+        "the draft was trained on data rendered with another chat template")
+    assert "warning" not in ev.evaluate(verifier=str(other), chat_template=str(t.path), **kw)  # the draft's template
+
+
+def test_base_verifier_needs_a_chat_template(make_tiny, tmp_path):
+    """eval renders prompts through a chat template: a verifier without one is refused with the way forward, and
+    runs with --chat-template, whose hash and source the report records."""
+    import hashlib
+
+    from chat_templates import COMPLETION, without_template
+
+    from eyas.errors import EyasError
+
+    base = without_template(make_tiny("llama").path, tmp_path / "base")
+    kw = dict(verifier=str(base), draft="random", prompts=[PROMPTS[0]], max_new_tokens=4)
+    with pytest.raises(EyasError, match="has no chat template; eyas eval renders prompts through it: give"):
+        ev.evaluate(**kw)
+    report = ev.evaluate(chat_template=str(COMPLETION), **kw)
+    assert report["chat_template_sha256"] == hashlib.sha256(COMPLETION.read_bytes()).hexdigest()
+    assert report["chat_template"] == str(COMPLETION) and report["lossless"] is True
 
 
 def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):

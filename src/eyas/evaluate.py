@@ -855,15 +855,18 @@ def device_and_dtype(device: str | None, dtype: str) -> tuple[torch.device, torc
 
 
 def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
-          trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Load what a measurement needs once: the verifier (info, model, tokenizer, end-of-turn ids) and the draft
-    (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
+          trust_remote_code: bool = False, chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Load what a measurement needs once: the verifier (info, model, tokenizer with the chat template prompts are
+    rendered with, end-of-turn ids) and the draft (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
     from eyas.checkpoint import load_draft
-    from eyas.verifier import build_text_model, load_tokenizer, resolve
+    from eyas.verifier import NO_TEMPLATE_HINT, build_text_model, load_tokenizer, resolve
 
     dev, dt = device_and_dtype(device, dtype)
     info = resolve(verifier)
-    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {info.path} has no chat template; eyas eval renders prompts through it: "
+                        f"{NO_TEMPLATE_HINT}")  # fmt: skip
     if str(draft) == "random":
         d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
     else:
@@ -895,6 +898,7 @@ def evaluate(
     compile: CompileMode = "auto",
     baseline: bool = True,
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Measure a draft by real speculative decoding on the verifier: tau, per-position acceptance, losslessness,
     and the speedup over plain decoding of the same prompts in the same run.
@@ -925,6 +929,9 @@ def evaluate(
             reduce-overhead (CUDA graphs); auto picks reduce-overhead on CUDA and none on CPU.
         baseline: also run plain decoding (needed for the lossless check and the speedup).
         trust_remote_code: allow the verifier's tokenizer to run checkpoint code (never on by default).
+        chat_template: render prompts with this template instead of the tokenizer's own (a base model has none): a
+            Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; the one the draft's data was
+            prepared with.
     """
     from eyas.manifest import versions, write_json
     from eyas.verifier import chat_template_hash
@@ -935,7 +942,7 @@ def evaluate(
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
-                trust_remote_code=trust_remote_code)  # fmt: skip
+                trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     K = draft_tokens
     # auto: static on CUDA (CUDA graphs need it) unless sliding-window layers make it impossible to roll back
@@ -966,13 +973,15 @@ def evaluate(
         "compile": mode or "none",
         "batch_size": 1,
         "chat_template_sha256": template_sha,
+        "chat_template": chat_template,  # --chat-template, or None: the tokenizer's own
         "end_of_turn_ids": sorted(env["eos_ids"]),
         "seed": seed,
         "versions": versions(),
     }
     trained_template = (env["draft_manifest"].get("inputs") or {}).get("chat_template_sha256")
     if trained_template and template_sha and trained_template != template_sha:
-        report["warning"] = "the draft was trained on data rendered with another chat template"
+        report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
+                             "prepare used: --chat-template)")  # fmt: skip
     if offline:
         rows, kind, why = choose_offline_rows(env["draft_manifest"], offline)
         report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
