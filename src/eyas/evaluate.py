@@ -643,9 +643,10 @@ def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
 
     from eyas.batches import FeatureRows
 
+    held = FeatureRows(features, dtype=torch.float32)
     if "features" in train_data:
-        return FeatureRows(features, dtype=torch.float32).identity() == train_data
-    made_from = (FeatureRows(features, dtype=torch.float32).manifest.get("inputs") or {}).get("data") or {}
+        return held.identity() == train_data
+    made_from = (held.manifest.get("inputs") or {}).get("data") or {}
     prepared = train_data.get("prepared")
     return isinstance(prepared, list) and made_from.get("rows") == train_data.get("rows") and \
         made_from.get("arrow_sha256") == hashlib.sha256("".join(prepared).encode()).hexdigest()  # fmt: skip

@@ -2,7 +2,8 @@
 
 Targets (DESIGN.md, "Final hidden state and targets"): the verifier's own final
 norm over its stored *pre-norm* last hidden state, then only the draft-vocab
-rows of its head, ``softmax(lm_head[d2t rows](norm(h_last)))``. The verifier's
+rows of its head, ``softmax(lm_head[d2t rows](norm(h_last)))``, scaled and
+softcapped as the verifier's own head does (:class:`LogitScaling`). The verifier's
 greedy token over the *full* vocab is kept too: a position whose true argmax is
 outside the draft vocab can never be accepted, so accuracy counts it as a miss.
 
