@@ -69,3 +69,14 @@ def verifier_with(tok, base: Path, dest: Path) -> Path:
                 shutil.copy(base / f, dest / f)
         tok.save_pretrained(dest)
     return dest
+
+
+#: configs/completion.jinja: the template README offers for a base verifier (prompt, then the answer and EOS).
+COMPLETION = Path(__file__).resolve().parents[1] / "configs" / "completion.jinja"
+
+
+def without_template(base: Path, dest: Path) -> Path:
+    """A copy of the tiny verifier at ``base`` whose tokenizer has no chat template (a base model's)."""
+    tok = tiny.make_tokenizer()
+    tok.chat_template = None
+    return verifier_with(tok, base, dest)

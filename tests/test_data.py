@@ -8,6 +8,7 @@ Qwen3: the answer, with the ``<think>`` block re-emitted only on the turn after 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -206,6 +207,39 @@ def test_template_that_cannot_be_split_is_refused(tmp_path, make_tiny):
     ver = C.verifier_with(tok, make_tiny("llama").path, tmp_path / "odd")
     with pytest.raises(EyasError, match="cannot be split at turn boundaries"):
         D.prepare(verifier=str(ver), data=str(write_jsonl(tmp_path / "c.jsonl", CONVS)), out=str(tmp_path / "o"))
+
+
+def test_chat_template_flag_for_a_base_verifier(tmp_path, make_tiny, capsys):
+    """A verifier without a chat template is refused with the way forward; --chat-template FILE masks through
+    that template (configs/completion.jinja: prompt, then the answer closed by EOS) and records its hash; a
+    checkpoint given instead lends its own template, hash and all."""
+    from eyas.verifier import chat_template_hash, load_tokenizer
+
+    base_verifier = C.without_template(make_tiny("llama").path, tmp_path / "base")
+    COMPLETION = str(C.COMPLETION)
+    src = str(write_jsonl(tmp_path / "c.jsonl", CONVS[:2]))
+    with pytest.raises(EyasError, match="has no chat template; .* give --chat-template FILE"):
+        D.prepare(verifier=str(base_verifier), data=src, out=str(tmp_path / "refused"), num_proc=1)
+    m = D.prepare(verifier=str(base_verifier), data=src, out=str(tmp_path / "o"), chat_template=COMPLETION,
+                  num_proc=1)  # fmt: skip
+    text = C.COMPLETION.read_text()
+    assert m["inputs"]["chat_template_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert m["chat_template"] == COMPLETION and m["end_of_turn"]["token"] == "<|im_end|>"
+    tok = load_tokenizer(str(base_verifier), chat_template=COMPLETION)
+    check_masks(tmp_path / "o", tok, CONVS[:2], chatml_turns)  # each answer and its EOS, nothing else
+    assert decode(tok, load_prepared(tmp_path / "o")[0][0]["input_ids"]) == "<|im_start|>What is 2+2?\n\n4.<|im_end|>"
+
+    llama = make_tiny("llama").path
+    m = D.prepare(verifier=str(base_verifier), data=src, out=str(tmp_path / "o2"), chat_template=str(llama),
+                  num_proc=1)  # fmt: skip
+    assert m["inputs"]["chat_template_sha256"] == chat_template_hash(load_tokenizer(str(llama)))
+    check_masks(tmp_path / "o2", load_tokenizer(str(llama)), CONVS[:2], chatml_turns)
+
+    assert cli_main(["prepare", "--verifier", str(base_verifier), "--data", src, "--out", str(tmp_path / "o3"),
+                     "--num-proc", "1", "--chat-template", str(tmp_path / "missing.jinja")]) == 2  # fmt: skip
+    assert "--chat-template" in capsys.readouterr().err and not (tmp_path / "o3").exists()
+    assert cli_main(["prepare", "--verifier", str(base_verifier), "--data", src, "--out", str(tmp_path / "o4"),
+                     "--num-proc", "1", "--chat-template", COMPLETION]) == 0  # fmt: skip
 
 
 def test_overflow_truncates_at_a_turn_boundary_or_drops(tmp_path, verifiers):

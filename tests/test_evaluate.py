@@ -470,6 +470,93 @@ def test_offline_prediction_from_features(setups, tmp_path):
     assert report["offline"]["rows"] == len(rows) and "predicted_tau" in report
 
 
+def test_offline_prediction_uses_the_rows_train_held_out(make_tiny, tmp_path, capsys):
+    """eval --offline predicts tau from exactly the validation rows the train stage held out (offline training on
+    those features, or online training on the prepared rows they came from), says so in the report and the
+    printed table, and takes the first rows of features the draft never trained on."""
+    import tiny
+
+    from eyas.extract import extract
+    from eyas.train import train
+
+    t = make_tiny("llama")
+    prep = tiny.write_prepared(tmp_path / "prep", tiny.random_rows(24, seed=3, lo=12, hi=30), verifier=t.path)
+    feats = tmp_path / "features"
+    extract(verifier=str(t.path), data=str(prep), out=str(feats), dtype="fp32", device="cpu")
+    kw = dict(verifier=str(t.path), epochs=1, max_steps=1, max_seq_len=64, num_workers=0, val_ratio=0.25, seed=5)
+    drafts = {"offline": (feats, tmp_path / "draft"), "online": (prep, tmp_path / "draft-online")}
+    for how, (data, out) in drafts.items():
+        train(data=str(data), out=str(out), online=how == "online", **kw)
+        held_out = json.loads((out / "manifest.json").read_text())["outputs"]["val_rows"]
+        assert len(held_out) == 6 and held_out != list(range(6))
+        capsys.readouterr()
+        report = ev.evaluate(verifier=str(t.path), draft=str(out), prompts=[PROMPTS[0]], max_new_tokens=4,
+                             offline=str(feats), offline_rows=100)  # fmt: skip
+        assert report["offline"]["row_ids"] == held_out and report["offline"]["rows_from"] == "validation", how
+        assert report["offline"]["rows"] == 6
+        assert "validation rows train held out (6 recorded)" in capsys.readouterr().out
+
+    other = tiny.write_prepared(tmp_path / "other", tiny.random_rows(5, seed=8, lo=12, hi=30), verifier=t.path)
+    extract(verifier=str(t.path), data=str(other), out=str(tmp_path / "other-features"), dtype="fp32", device="cpu")
+    report = ev.evaluate(verifier=str(t.path), draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4,
+                         offline=str(tmp_path / "other-features"), offline_rows=3)  # fmt: skip
+    assert report["offline"]["row_ids"] == [0, 1, 2] and report["offline"]["rows_from"] == "unseen"
+
+
+def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
+    """The chat-template hash travels prepare -> extract -> train (offline), so eval warns when the verifier's
+    template is not the one the draft's rows were rendered with, and stays quiet when it is (its own, or the
+    draft's given with --chat-template)."""
+    import tiny
+    from chat_templates import verifier_with
+
+    from eyas.data import prepare
+    from eyas.extract import extract
+    from eyas.train import train
+    from eyas.verifier import chat_template_hash
+
+    t = make_tiny("llama")
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}. " * 3}]}) + "\n"
+                            for i in range(8)))  # fmt: skip
+    prepared = prepare(verifier=str(t.path), data=str(data), out=str(tmp_path / "prep"), num_proc=1)
+    sha = prepared["inputs"]["chat_template_sha256"]
+    assert sha == chat_template_hash(load_tokenizer(str(t.path)))
+    feats = extract(verifier=str(t.path), data=str(tmp_path / "prep"), out=str(tmp_path / "feats"), dtype="fp32")
+    assert feats["inputs"]["chat_template_sha256"] == sha
+    train(verifier=str(t.path), data=str(tmp_path / "feats"), out=str(tmp_path / "draft"), epochs=1, max_steps=1,
+          max_seq_len=64, num_workers=0)  # fmt: skip
+    assert json.loads((tmp_path / "draft" / "manifest.json").read_text())["inputs"]["chat_template_sha256"] == sha
+
+    tok = tiny.make_tokenizer()
+    tok.chat_template = tiny.CHATML.replace("assistant\n", "assistant\n\n")
+    other = verifier_with(tok, t.path, tmp_path / "other-template")  # the same weights, another template
+    kw = dict(draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4)
+    assert "warning" not in ev.evaluate(verifier=str(t.path), **kw)
+    assert ev.evaluate(verifier=str(other), **kw)["warning"].startswith(
+        "the draft was trained on data rendered with another chat template")
+    assert "warning" not in ev.evaluate(verifier=str(other), chat_template=str(t.path), **kw)  # the draft's template
+
+
+def test_base_verifier_needs_a_chat_template(make_tiny, tmp_path):
+    """eval renders prompts through a chat template: a verifier without one is refused with the way forward, and
+    runs with --chat-template, whose hash and source the report records."""
+    import hashlib
+
+    from chat_templates import COMPLETION, without_template
+
+    from eyas.errors import EyasError
+
+    base = without_template(make_tiny("llama").path, tmp_path / "base")
+    kw = dict(verifier=str(base), draft="random", prompts=[PROMPTS[0]], max_new_tokens=4)
+    with pytest.raises(EyasError, match="has no chat template; eyas eval renders prompts through it: give"):
+        ev.evaluate(**kw)
+    report = ev.evaluate(chat_template=str(COMPLETION), **kw)
+    assert report["chat_template_sha256"] == hashlib.sha256(COMPLETION.read_bytes()).hexdigest()
+    assert report["chat_template"] == str(COMPLETION) and report["lossless"] is True
+
+
 def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
     """The lossless check is not vacuous: a loop that accepts every draft token is reported, with the place and
     the verifier's logit gap there (large: not a near-tie)."""

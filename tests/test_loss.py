@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from eyas.loss import TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, target_rows, ttt_loss
+from eyas.loss import (LogitScaling, TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, target_rows,
+                       ttt_loss)
 
 
 def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
@@ -133,7 +134,7 @@ def test_targets_only_where_a_step_reads_them_give_the_same_loss(drop):
     draft_ids = torch.tensor(sorted(torch.randperm(V)[:N].tolist()))
     rest_ids = torch.tensor([i for i in range(V) if i not in set(draft_ids.tolist())])
     head = TargetHead(norm=nn.RMSNorm(H, dtype=torch.float64), rows=full[draft_ids], draft_target_ids=draft_ids,
-                      rest=full[rest_ids], rest_ids=rest_ids, chunk_tokens=4)  # fmt: skip
+                      rest=full[rest_ids], rest_ids=rest_ids, scaling=LogitScaling(), chunk_tokens=4)  # fmt: skip
     last = torch.randn(M, H, dtype=torch.float64)
     every, some = head(last, pad=S), head(last, pad=S, rows=need)
     for a, b in [(every.logits, some.logits), (every.argmax, some.argmax), (every.in_vocab, some.in_vocab)]:
@@ -189,7 +190,7 @@ def test_target_head_matches_full_vocab_argmax_with_ties():
     rest_ids = torch.tensor([i for i in range(V) if i not in set(draft_ids.tolist())])
     last = torch.randint(-2, 3, (M, H)).double()
     head = TargetHead(norm=nn.Identity(), rows=full[draft_ids], draft_target_ids=draft_ids, rest=full[rest_ids],
-                      rest_ids=rest_ids, chunk_tokens=17)  # fmt: skip
+                      rest_ids=rest_ids, scaling=LogitScaling(), chunk_tokens=17)  # fmt: skip
     t = head(last, pad=2)
     logits = last @ full.t()
     want = torch.isin(logits.argmax(-1), draft_ids)
@@ -199,6 +200,48 @@ def test_target_head_matches_full_vocab_argmax_with_ties():
     assert 0 < int(want.sum()) < M and not bool(t.in_vocab[M:].any())
     assert torch.equal(t.argmax[:M], (last @ full[draft_ids].t()).argmax(-1))
     assert torch.equal(t.logits[M:], torch.zeros(2, len(draft_ids), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name, scaling", [
+    ("gemma2", LogitScaling(softcap=2.0)),
+    ("gemma3", LogitScaling(softcap=3.0)),
+    ("cohere", LogitScaling(multiply=0.25)),
+    ("granite", LogitScaling(divide=4.0)),
+    ("llama", LogitScaling()),
+])  # fmt: skip
+def test_targets_are_the_verifiers_own_logits(make_tiny, tmp_path, name, scaling):
+    """The training targets from `eyas extract` features equal the verifier's own logits over the draft vocab,
+    whatever its head does after the product (Gemma's softcapping, Cohere's and Granite's scales), and the
+    full-vocab flag equals its own argmax. The reference is transformers' model itself, built from the
+    checkpoint's state dict, not eyas's loading."""
+    import tiny
+
+    from eyas.extract import extract
+    from eyas.features import FeatureReader
+    from eyas.verifier import load_head_tensors, resolve
+
+    t = make_tiny(name)
+    rows = tiny.random_rows(3, seed=4, lo=20, hi=30)
+    extract(verifier=str(t.path), data=str(tiny.write_prepared(tmp_path / "prep", rows, verifier=t.path)),
+            out=str(tmp_path / "feats"), dtype="fp32", device="cpu")  # fmt: skip
+    info = resolve(t.path)
+    full = load_head_tensors(info).lm_head
+    draft_ids = torch.arange(0, tiny.VOCAB, 3)  # a third of the vocab: some argmaxes fall outside it
+    rest_ids = torch.tensor(sorted(set(range(tiny.VOCAB)) - set(draft_ids.tolist())))
+    head = TargetHead.for_verifier(info, rows=full[draft_ids], draft_target_ids=draft_ids, rest=full[rest_ids],
+                                   rest_ids=rest_ids)  # fmt: skip
+    assert head.scaling == scaling
+    model = t.reference()
+    reader = FeatureReader(tmp_path / "feats")
+    outside = 0
+    for i, (ids, _) in enumerate(rows):
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].double()  # [T, V]
+        got = head(reader[i].last_hidden_state, pad=0)
+        torch.testing.assert_close(got.logits.double(), want[:, draft_ids], rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.in_vocab, torch.isin(want.argmax(-1), draft_ids))
+        outside += int((~got.in_vocab).sum())
+    assert outside > 0
 
 
 def test_implied_tau():

@@ -94,6 +94,49 @@ num_proc = 1
     assert answers and not original & set(answers)
 
 
+def test_base_verifier_runs_with_a_chat_template_file(make_tiny, tmp_path):
+    """A verifier without a chat template runs the whole pipeline when the sections that render chats
+    (regenerate, prepare, eval) take --chat-template: every manifest and the eval report record that template's
+    hash, eval finds it equal to the draft's (no warning), and predicts tau from the rows train held out."""
+    import hashlib
+
+    from chat_templates import COMPLETION as template
+    from chat_templates import without_template
+
+    base = without_template(make_tiny("llama").path, tmp_path / "base")
+    sha = hashlib.sha256(template.read_text().encode()).hexdigest()
+    cfg = _config(tmp_path, base, f"""
+[regenerate]
+data = "DATA"
+max_new_tokens = 6
+chat_template = "{template}"
+[prepare]
+max_seq_len = 128
+num_proc = 1
+chat_template = "{template}"
+[extract]
+dtype = "fp32"
+[train]
+epochs = 1
+max_steps = 1
+max_seq_len = 128
+num_workers = 0
+val_ratio = 0.25
+[eval]
+prompts = "PROMPTS"
+max_new_tokens = 6
+chat_template = "{template}"
+""")
+    res = run(str(cfg))
+    out = tmp_path / "out"
+    for stage in ("regenerated", "prepared", "features", "draft"):
+        assert json.loads((out / stage / "manifest.json").read_text())["inputs"]["chat_template_sha256"] == sha, stage
+    assert res["regenerate"]["chat_template"] == str(template) and res["prepare"]["chat_template"] == str(template)
+    report = res["eval"]
+    assert report["chat_template_sha256"] == sha and report["chat_template"] == str(template)
+    assert "warning" not in report and report["offline"]["rows_from"] == "validation"
+
+
 def test_shipped_configs_check():
     """Every config in configs/ names known stages and arguments (checked, nothing run)."""
     from pathlib import Path

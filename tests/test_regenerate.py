@@ -303,3 +303,20 @@ def test_no_answer_at_all_is_an_error_and_writes_nothing(make_tiny, source, tmp_
         regenerate(verifier=str(make_tiny("gemma").path), data=str(source), out=str(out), max_new_tokens=NEW)
     assert not (out / CONVERSATIONS).exists() and not (out / "manifest.json").exists()
     assert not list(out.glob(".*.tmp-*"))  # nor a temporary beside them
+
+
+def test_base_verifier_answers_through_a_chat_template_file(make_tiny, source, tmp_path):
+    """A verifier without a chat template is refused with the way forward; with --chat-template it answers
+    through that template, and the manifest records the template's hash and where it came from."""
+    import hashlib
+
+    from chat_templates import COMPLETION, without_template
+
+    base = without_template(make_tiny("llama").path, tmp_path / "base")
+    kw = dict(verifier=str(base), data=str(source), max_new_tokens=4, max_samples=2)
+    with pytest.raises(EyasError, match="has no chat template; .* give --chat-template FILE"):
+        regenerate(out=str(tmp_path / "refused"), **kw)
+    m = regenerate(out=str(tmp_path / "out"), chat_template=str(COMPLETION), **kw)
+    assert m["inputs"]["chat_template_sha256"] == hashlib.sha256(COMPLETION.read_bytes()).hexdigest()
+    assert m["chat_template"] == str(COMPLETION) and m["outputs"]["conversations"] > 0
+

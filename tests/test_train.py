@@ -247,6 +247,7 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     assert result["val"]["acc"][0] >= 0 and len(_records(out, "val")) == 4
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stage"] == "train" and manifest["outputs"]["val"]["tau"] >= 1.0
+    assert manifest["outputs"]["accuracy"] == "draft argmax == verifier full-vocab argmax"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
     cfg, raw = read_draft_config(out)
@@ -264,6 +265,16 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     capsys.readouterr()
     again = train(**kw)  # the same command again: nothing to do
     assert "already trained" in capsys.readouterr().out and again["steps"] == result["steps"]
+
+
+def test_accuracy_within_the_draft_vocab_is_labelled_so(inputs, tmp_path, capsys):
+    """--no-full-vocab-accuracy scores accuracy within the draft vocab; the manifest, the printed summary and the
+    plot say which was computed."""
+    train(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], out=str(tmp_path / "out"),
+          epochs=1, max_steps=2, val_ratio=0.2, full_vocab_accuracy=False, **COMMON)  # fmt: skip
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["outputs"]["accuracy"].startswith("draft argmax == verifier argmax within the draft vocab")
+    assert "within the draft vocab" in capsys.readouterr().out
 
 
 def test_resume_after_kill9_is_bit_identical(inputs, tmp_path):
@@ -391,4 +402,7 @@ def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
         train(data=inputs["features"], layers=[1, 2, 3], **base)
     with pytest.raises(EyasError, match="--loss-chunk-tokens must be >= 1"):
         train(data=inputs["features"], loss_chunk_tokens=0, **base)
+    with pytest.raises(EyasError, match="--drop-out-of-vocab needs the verifier's full-vocab argmax"):
+        train(data=inputs["features"], vocab=inputs["vocab"], drop_out_of_vocab=True, full_vocab_accuracy=False,
+              **base)  # fmt: skip
     assert not out.exists()

@@ -25,7 +25,7 @@ def test_resolve_every_layout(make_tiny, name):
     assert info.vocab_size == tiny.VOCAB
     assert info.aux_layer_ids == [2, 4, 5]
     assert info.runnable, info.reasons
-    assert info.tied_embeddings == (name in ("llama_tied", "gemma"))
+    assert info.tied_embeddings == (name in ("llama_tied", "gemma", "gemma2", "gemma3", "cohere"))
     assert info.quantization == "none"
     if name == "kimi_like":
         assert info.model_type == "kimi_k25" and info.text_model_type == "deepseek_v3"

@@ -143,6 +143,38 @@ def gemma(path: Path, *, seed: int = 3) -> Tiny:
     return _save(_build(cfg, GemmaForCausalLM, seed), make_tokenizer(), path, cfg, GemmaForCausalLM)
 
 
+def gemma2(path: Path, *, seed: int = 8) -> Tiny:
+    """Gemma-2: its head softcaps the logits, ``cap * tanh(logits / cap)`` (a small cap, so it shows)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(**_common(head_dim=16, tie_word_embeddings=True, final_logit_softcapping=2.0))
+    return _save(_build(cfg, Gemma2ForCausalLM, seed), make_tokenizer(), path, cfg, Gemma2ForCausalLM)
+
+
+def gemma3(path: Path, *, seed: int = 9) -> Tiny:
+    """Gemma-3 (text): softcapping off by default in its config, set here."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**_common(head_dim=16, tie_word_embeddings=True, final_logit_softcapping=3.0))
+    return _save(_build(cfg, Gemma3ForCausalLM, seed), make_tokenizer(), path, cfg, Gemma3ForCausalLM)
+
+
+def cohere(path: Path, *, seed: int = 10) -> Tiny:
+    """Cohere: LayerNorm, tied head, logits multiplied by ``logit_scale``."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    cfg = CohereConfig(**_common(logit_scale=0.25))
+    return _save(_build(cfg, CohereForCausalLM, seed), make_tokenizer(), path, cfg, CohereForCausalLM)
+
+
+def granite(path: Path, *, seed: int = 11) -> Tiny:
+    """Granite (muP): logits divided by ``logits_scaling``."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = GraniteConfig(**_common(logits_scaling=4.0))
+    return _save(_build(cfg, GraniteForCausalLM, seed), make_tokenizer(), path, cfg, GraniteForCausalLM)
+
+
 def _deepseek_config(**over: Any):
     from transformers import DeepseekV3Config
 
@@ -254,6 +286,10 @@ BUILDERS: dict[str, Callable[..., Tiny]] = {
     "qwen3": qwen3,
     "mistral": mistral,
     "gemma": gemma,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
+    "cohere": cohere,
+    "granite": granite,
     "deepseek_v3": deepseek_v3,
     "kimi_like": kimi_like,
 }

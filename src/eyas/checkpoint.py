@@ -14,8 +14,9 @@ explicitly (vLLM defaults a missing ``norm_before_residual`` to true).
 for floating tensors. ``embed_tokens.weight`` is left out by default (vLLM and
 SGLang share the verifier's; for Kimi it is 2.35 GB), so loading takes the
 verifier to fill it in. ``d2t``/``t2d`` are left out when the draft vocab is the
-whole verifier vocab: vLLM then has no ``draft_id_to_target_id`` to load them
-into (``llama_eagle3.py``).
+whole verifier vocab (identity maps): vLLM keeps its ``draft_id_to_target_id``
+at zeros, the identity offset, when a checkpoint has no ``d2t``
+(``llama_eagle3.py``, ``Eagle3LlamaForCausalLM.load_weights``).
 """
 
 from __future__ import annotations

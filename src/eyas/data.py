@@ -68,10 +68,11 @@ class ChatTemplate:
     """The verifier's chat template, probed once: how each assistant turn is delimited in the rendered text."""
 
     def __init__(self, tokenizer, *, where: str) -> None:
-        from eyas.verifier import chat_template_hash, control_tokens, end_of_turn_token
+        from eyas.verifier import NO_TEMPLATE_HINT, chat_template_hash, control_tokens, end_of_turn_token
 
         if not getattr(tokenizer, "chat_template", None):
-            raise EyasError(f"the tokenizer of {where} has no chat template; eyas masks turns through it")
+            raise EyasError(f"the tokenizer of {where} has no chat template; eyas masks turns through it: "
+                            f"{NO_TEMPLATE_HINT}")  # fmt: skip
         self.tok = tokenizer
         self.where = where
         self.sha256 = chat_template_hash(tokenizer)
@@ -361,6 +362,7 @@ def prepare(
     on_overflow: Literal["truncate", "drop"] = "truncate",
     num_proc: int | None = None,
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize conversations with the verifier's chat template and mark exactly the assistant's tokens.
 
@@ -380,6 +382,9 @@ def prepare(
             (truncate), or dropped (drop).
         num_proc: worker processes for tokenization (default: every core).
         trust_remote_code: allow the verifier's own tokenizer code to run (recorded by hash).
+        chat_template: render with this template instead of the tokenizer's own (a base model has none): a Jinja
+            file, or a checkpoint (dir, .gguf, hub id) whose template to use; its sha256 is recorded. Give the
+            same to eval.
     """
     import datasets
 
@@ -397,8 +402,8 @@ def prepare(
             f"have the verifier answer it first (`eyas regenerate --verifier {verifier} --data {data} --out DIR`), "
             "then prepare DIR"
         )
-    tok = load_tokenizer(info, trust_remote_code=trust_remote_code)
-    template = ChatTemplate(tok, where=info.path)
+    tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    template = ChatTemplate(tok, where=chat_template or info.path)
     inputs: dict[str, Any] = {
         "verifier": fingerprint(info),
         "chat_template_sha256": template.sha256,
@@ -470,7 +475,7 @@ def prepare(
         manifest = write_manifest(
             out_dir, stage="prepare", inputs=inputs, settings=settings, outputs=outputs,
             report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
-            end_of_turn={"token": template.eot, "id": template.eot_id},
+            chat_template=chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
             timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
                     "num_proc": num_proc, "resumed_parts": len(finished)},
         )  # fmt: skip

@@ -458,15 +458,18 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     conditional_accuracy[j]``.
     """
     from eyas.features import FeatureReader
-    from eyas.verifier import build_final_norm, load_head_tensors
+    from eyas.loss import TargetHead
+    from eyas.verifier import load_head_tensors
 
     reader = FeatureReader(features, dtype=torch.float32)
     if list(reader.layer_ids) != list(draft.config.aux_layer_ids):
         raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads "
                         f"{draft.config.aux_layer_ids}; extract features with the draft's --layers")  # fmt: skip
     rows = [r for r in rows if 0 <= r < len(reader)][:max_rows] if rows else list(range(min(max_rows, len(reader))))
-    norm = build_final_norm(info, dtype=torch.float32, device=str(device))
-    head = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
+    full = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
+    # the whole head as "draft" rows in target-id order: the targets' argmax is the full-vocab argmax
+    head = TargetHead.for_verifier(info, rows=full, draft_target_ids=torch.arange(len(full), device=device),
+                                   device=device)  # fmt: skip
     reached = torch.zeros(steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
     right = torch.zeros(steps, dtype=torch.long)
     for i in rows:
@@ -475,7 +478,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
         if T < steps + 2:
             continue
         last = row.last_hidden_state.to(device)
-        greedy = torch.cat([(norm(last[s : s + chunk]) @ head.T).argmax(-1) for s in range(0, T, chunk)])  # [T]
+        greedy = torch.cat([head(last[s : s + chunk], pad=0).argmax for s in range(0, T, chunk)])  # [T]
         length = ttt_chain_lengths(draft, row.input_ids.to(device), row.aux_hidden_states.to(device), greedy,
                                    steps=steps).cpu()  # fmt: skip
         mask = row.loss_mask.bool()
@@ -485,7 +488,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
             reached[k] += int((valid & (length >= k)).sum())
             right[k] += int((valid & (length > k)).sum())
     cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(steps)]
-    return {"features": str(features), "rows": len(rows), "positions": int(reached[0]),
+    return {"features": str(features), "rows": len(rows), "row_ids": rows, "positions": int(reached[0]),
             "conditional_accuracy": cond, "predicted_tau": predicted_tau(cond)}  # fmt: skip
 
 
@@ -499,13 +502,42 @@ def _draft_manifest(draft_dir: str) -> dict[str, Any]:
     return {}
 
 
-def _validation_rows(manifest: dict[str, Any]) -> list[int] | None:
-    """The validation rows the train stage recorded (``val_rows`` in its outputs or settings), if any."""
-    for section in ("outputs", "settings"):
-        val = (manifest.get(section) or {}).get("val_rows")
-        if isinstance(val, list) and val:
-            return [int(r) for r in val]
-    return None
+def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
+    """Whether FEATURES hold the rows a draft was trained on, row for row: the train manifest's ``inputs.data``
+    names the features themselves (offline training) or the prepared rows they were extracted from (online:
+    extract's ``arrow_sha256`` hashes the same files' sha256 digests, in order)."""
+    import hashlib
+
+    from eyas.batches import FeatureRows
+
+    held = FeatureRows(features, dtype=torch.float32)
+    if "features" in train_data:
+        return held.identity() == train_data
+    made_from = (held.manifest.get("inputs") or {}).get("data") or {}
+    prepared = train_data.get("prepared")
+    return isinstance(prepared, list) and made_from.get("rows") == train_data.get("rows") and \
+        made_from.get("arrow_sha256") == hashlib.sha256("".join(prepared).encode()).hexdigest()  # fmt: skip
+
+
+def choose_offline_rows(manifest: dict[str, Any], features: str | Path) -> tuple[list[int] | None, str, str]:
+    """Which rows of FEATURES ``eyas eval --offline`` predicts tau from, and why: ``(rows, or None for the first
+    ones; kind; a sentence for the report)``.
+
+    The validation rows the train stage held out (``outputs.val_rows`` of its manifest) when FEATURES are the
+    rows it trained on; the first rows when they are other rows (none seen in training) or when there is no
+    train manifest (an imported or random draft). Features the draft trained on without a record of held-out
+    rows give an optimistic prediction, and the sentence says so.
+    """
+    data = (manifest.get("inputs") or {}).get("data")
+    if not manifest or not isinstance(data, dict):
+        return None, "unknown", "its first rows (the draft has no train manifest that says which rows it saw)"
+    if not _trained_on(data, features):
+        return None, "unseen", "its first rows (the draft was trained on other rows)"
+    val = (manifest.get("outputs") or {}).get("val_rows")
+    if isinstance(val, list) and val:
+        return [int(r) for r in val], "validation", f"the validation rows train held out ({len(val)} recorded)"
+    return None, "training", ("its first rows, which the draft trained on (its train manifest records no held-out "
+                              "rows): an optimistic prediction")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the stage
@@ -719,15 +751,18 @@ def _report_paths(out: str | Path) -> tuple[Path, Path]:
 
 
 def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
-          trust_remote_code: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Load what a measurement needs once: the verifier (info, model, tokenizer, end-of-turn ids) and the draft
-    (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
+          trust_remote_code: bool = False, chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Load what a measurement needs once: the verifier (info, model, tokenizer with the chat template prompts are
+    rendered with, end-of-turn ids) and the draft (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
     from eyas.checkpoint import load_draft
-    from eyas.verifier import build_text_model, load_tokenizer, resolve
+    from eyas.verifier import NO_TEMPLATE_HINT, build_text_model, load_tokenizer, resolve
 
     dev, dt = device_and_dtype(device, dtype)
     info = resolve(verifier)
-    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {info.path} has no chat template; eyas eval renders prompts through it: "
+                        f"{NO_TEMPLATE_HINT}")  # fmt: skip
     if str(draft) == "random":
         d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
     else:
@@ -760,6 +795,7 @@ def evaluate(
     baseline: bool = True,
     recheck_fp32: bool = False,
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Measure a draft by real speculative decoding on the verifier: tau, per-position acceptance, losslessness,
     and the speedup over plain decoding of the same prompts in the same run.
@@ -782,7 +818,8 @@ def evaluate(
         temperature: 0 for greedy acceptance; above 0 speculative sampling at this temperature.
         seed: seeds the prompt sample and all sampling.
         offline: an `eyas extract` features dir: also predict tau from the draft's per-step conditional accuracy
-            on those features (the validation rows the train stage recorded, else the first --offline-rows).
+            on those features: the validation rows train held out when they are the features (or prepared rows)
+            the draft trained on, else their first --offline-rows rows; the report says which.
         offline_rows: rows of --offline features to use at most.
         device: cuda or cpu (default: cuda when available).
         dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.
@@ -794,6 +831,9 @@ def evaluate(
         recheck_fp32: decode every turn whose speculative output differs from plain greedy decoding again in
             fp32, to tell near-ties of the compute dtype from real differences.
         trust_remote_code: allow the verifier's tokenizer to run checkpoint code (never on by default).
+        chat_template: render prompts with this template instead of the tokenizer's own (a base model has none): a
+            Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; the one the draft's data was
+            prepared with.
     """
     from eyas.manifest import versions, write_json
     from eyas.verifier import chat_template_hash
@@ -805,7 +845,7 @@ def evaluate(
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
-                trust_remote_code=trust_remote_code)  # fmt: skip
+                trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
     runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs,
@@ -833,6 +873,7 @@ def evaluate(
         "compile": graphs and runners.base.graphs.compile_model is not None,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
+        "chat_template": chat_template,  # --chat-template, or None: the tokenizer's own
         "end_of_turn_ids": sorted(env["eos_ids"]),
         "seed": seed,
         "versions": versions(),
@@ -841,11 +882,13 @@ def evaluate(
         report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
     trained_template = (env["draft_manifest"].get("inputs") or {}).get("chat_template_sha256")
     if trained_template and template_sha and trained_template != template_sha:
-        report["warning"] = "the draft was trained on data rendered with another chat template"
+        report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
+                             "prepare used: --chat-template)")  # fmt: skip
     if offline:
-        rows = _validation_rows(env["draft_manifest"])
+        rows, kind, why = choose_offline_rows(env["draft_manifest"], offline)
         report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
                                              device=dev)  # fmt: skip
+        report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
     if out:
         json_path, png_path = _report_paths(out)
@@ -870,6 +913,8 @@ def _print_report(r: dict[str, Any]) -> None:
     ]  # fmt: skip
     if "predicted_tau" in r:
         rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f}  (measured {r['tau']:.3f})"))
+        off = r["offline"]
+        rows.append(("offline rows", f"{off['rows']} rows of {off['features']}: {off['rows_note']}"))
     rows += [
         ("acceptance per position", fmt(r["acceptance_per_position"]) + "  (unconditional)"),
         ("conditional acceptance", fmt(r["conditional_acceptance_per_position"]) + "  (given the previous accepted)"),

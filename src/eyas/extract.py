@@ -696,7 +696,9 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     H = info.hidden_size
     shard_tokens = shard_tokens or default_shard_tokens(source.lengths, H, dtype)
     shards = plan_shards(source.lengths, shard_tokens)
-    inputs = {"verifier": fp, "data": source.identity()}
+    # the template the rows were rendered with travels on, so train records it and eval can compare it
+    inputs = {"verifier": fp, "data": source.identity(),
+              "chat_template_sha256": (pmanifest.get("inputs") or {}).get("chat_template_sha256")}  # fmt: skip
     settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
                 "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens,
                 "window_shards": WINDOW_SHARDS}  # fmt: skip

@@ -42,7 +42,8 @@ reach 300x the median token's, the per-token relative error is 2.5-2.6% median
 against 2.2% for a per-token scale, which would cost 16 more bytes per token.
 
 ``manifest.json`` (stage ``extract``) holds, besides ``inputs`` (the verifier
-fingerprint, the prepared rows' hashes) and ``settings``: ``format``,
+fingerprint, the prepared rows' hashes, the chat-template sha256 they were
+rendered with) and ``settings``: ``format``,
 ``layer_ids``, ``last_hidden_normed`` (always false), ``dtype``,
 ``hidden_size``, ``num_rows``, and ``outputs.shards``: a list of
 ``{"file", "rows": [start, end], "tokens", "bytes", "sha256"}`` in row order.

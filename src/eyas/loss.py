@@ -2,7 +2,8 @@
 
 Targets (DESIGN.md, "Final hidden state and targets"): the verifier's own final
 norm over its stored *pre-norm* last hidden state, then only the draft-vocab
-rows of its head, ``softmax(lm_head[d2t rows](norm(h_last)))``. The verifier's
+rows of its head, ``softmax(lm_head[d2t rows](norm(h_last)))``, scaled and
+softcapped as the verifier's own head does (:class:`LogitScaling`). The verifier's
 greedy token over the *full* vocab is kept too: a position whose true argmax is
 outside the draft vocab can never be accepted, so accuracy counts it as a miss.
 
@@ -51,6 +52,54 @@ class Targets:
     in_vocab: torch.Tensor  # [M + pad] bool: the verifier's full-vocab argmax is a draft-vocab token
 
 
+#: Families whose causal-LM head scales ``lm_head(norm(h))`` by a config value, and how, as their
+#: ``*ForCausalLM.forward`` in transformers does (5.17 and 5.24): ``model_type -> (config key, operation)``.
+#: A family absent here applies no scale; ``final_logit_softcapping`` is read from every family's config.
+_LOGIT_SCALES: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("logit_scale", "mul")),  # `logits * self.logit_scale`
+    # muP (Granite): `logits / config.logits_scaling`; MiniCPM3 divides the hidden state by it before the head
+    # (the same up to rounding)
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+                     "granitemoeshared", "minicpm3"), ("logits_scaling", "div")),  # fmt: skip
+    "hyperclovax": ("logits_scaling", "mul"),  # `lm_head(h) * config.logits_scaling` ("cf. Granite, which divides")
+}
+
+
+@dataclass(frozen=True)
+class LogitScaling:
+    """What the verifier's own head does to ``lm_head(norm(h))`` before its softmax: a scale (Cohere's
+    ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides) and then final-logit softcapping
+    ``cap * tanh(logits / cap)`` (Gemma-2; Gemma-3 when its config sets it).
+
+    The draft's soft targets must be the verifier's own distribution: without these its temperature is wrong
+    (the argmax is not), and so is the acceptance of sampled drafts. Read from the text config with
+    :meth:`of`; applied by :class:`TargetHead`, the one place eyas turns verifier states into logits.
+    """
+
+    multiply: float | None = None
+    divide: float | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> "LogitScaling":
+        """From a transformers text config (its class's defaults apply: Gemma-2's softcap is 30 unless set)."""
+        key, op = _LOGIT_SCALES.get(getattr(config, "model_type", None), (None, None))
+        value = getattr(config, key, None) if key else None
+        cap = getattr(config, "final_logit_softcapping", None)
+        return cls(multiply=value if op == "mul" else None, divide=value if op == "div" else None,
+                   softcap=cap or None)  # fmt: skip
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scale and cap ``logits`` in place, in the order and form transformers' heads use; returns them."""
+        if self.multiply is not None:
+            logits.mul_(self.multiply)
+        if self.divide is not None:
+            logits.div_(self.divide)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+
 class TargetHead:
     """The verifier's final norm and head rows, frozen, producing :class:`Targets` from pre-norm states.
 
@@ -59,17 +108,33 @@ class TargetHead:
     target ids ``rest_ids``), used only to find whether the full-vocab argmax is
     a draft token. Ties are broken as ``torch.argmax`` over the full vocab
     would (the lowest target id wins), so the flag equals a full-vocab argmax
-    without materialising ``[M, V]`` logits.
+    without materialising ``[M, V]`` logits. ``scaling`` is what the verifier's head applies after the
+    product (:class:`LogitScaling`), to the draft rows and the rest alike.
     """
 
     def __init__(self, *, norm: nn.Module, rows: torch.Tensor, draft_target_ids: torch.Tensor,
-                 rest: torch.Tensor | None, rest_ids: torch.Tensor | None, chunk_tokens: int = 1024) -> None:  # fmt: skip
+                 rest: torch.Tensor | None, rest_ids: torch.Tensor | None, scaling: LogitScaling,
+                 chunk_tokens: int = 1024) -> None:  # fmt: skip
         self.norm = norm
+        self.scaling = scaling
         self.rows = rows
         self.draft_target_ids = draft_target_ids
         self.rest = rest
         self.rest_ids = rest_ids
         self.chunk_tokens = chunk_tokens
+
+    @classmethod
+    def for_verifier(cls, info, *, rows: torch.Tensor, draft_target_ids: torch.Tensor, rest: torch.Tensor | None = None,
+                     rest_ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> "TargetHead":  # fmt: skip
+        """The head of the verifier ``info`` (:func:`eyas.verifier.resolve`) as its own forward applies it: its
+        final-norm module and its family's :class:`LogitScaling`, over the given head rows (already on
+        ``device`` in ``dtype``). Training's targets and ``eyas eval --offline`` both build theirs here."""
+        from eyas.verifier import build_final_norm, transformers_text_config
+
+        return cls(norm=build_final_norm(info, dtype=dtype, device=str(device)), rows=rows,
+                   draft_target_ids=draft_target_ids, rest=rest, rest_ids=rest_ids,
+                   scaling=LogitScaling.of(transformers_text_config(info)))  # fmt: skip
 
     @torch.no_grad()
     def __call__(self, last: torch.Tensor, *, pad: int, rows: torch.Tensor | None = None) -> Targets:
@@ -85,11 +150,11 @@ class TargetHead:
         h = self.norm(last.to(self.rows.dtype)).to(self.rows.dtype)  # [R, H]
         if rows is None:
             logits = torch.empty(M + pad, N, dtype=self.rows.dtype, device=last.device)
-            torch.mm(h, self.rows.t(), out=logits[:M])  # [M, N]
+            self.scaling.apply_(torch.mm(h, self.rows.t(), out=logits[:M]))  # [M, N]
             logits[M:].zero_()  # only the pad rows: the product writes the rest
             dmax, darg = logits[:M].max(dim=-1)  # first maximal index: the lowest target id among ties
         else:
-            part = h @ self.rows.t()  # [R, N]
+            part = self.scaling.apply_(h @ self.rows.t())  # [R, N]
             dmax, darg = part.max(dim=-1)
             logits = torch.zeros(M + pad, N, dtype=part.dtype, device=last.device).index_copy_(0, rows, part)
             del part
@@ -98,7 +163,7 @@ class TargetHead:
             dtid = self.draft_target_ids[darg]
             for a in range(0, R, self.chunk_tokens):
                 b = min(a + self.chunk_tokens, R)
-                rmax, rarg = (h[a:b] @ self.rest.t()).max(dim=-1)  # [C]
+                rmax, rarg = self.scaling.apply_(h[a:b] @ self.rest.t()).max(dim=-1)  # [C]
                 better = dmax[a:b] > rmax
                 tie_lower = (dmax[a:b] == rmax) & (dtid[a:b] < self.rest_ids[rarg])
                 in_vocab[a:b] = better | tie_lower

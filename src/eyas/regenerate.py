@@ -65,6 +65,7 @@ def regenerate(
     concurrency: int = 16,
     strict: bool = False,
     trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Answer a dataset's prompts with the verifier itself, turn by turn, and write the conversations for
     `eyas prepare`.
@@ -107,6 +108,9 @@ def regenerate(
         concurrency: with --server, the requests in flight at once.
         strict: stop at the first bad record instead of counting and skipping it.
         trust_remote_code: allow the verifier's own tokenizer code to run.
+        chat_template: render prompts with this template instead of the tokenizer's own (a base model has none):
+            a Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; its sha256 is recorded. With
+            --server the server renders them: start it with the same template (vLLM, SGLang: --chat-template).
     """
     from eyas.data import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
@@ -133,8 +137,8 @@ def regenerate(
 
     info = resolve(verifier)
     files, _, _ = open_source(data)
-    tok = load_tokenizer(info, trust_remote_code=trust_remote_code)
-    template = ChatTemplate(tok, where=str(info.path))  # refuses a template eyas could not mask afterwards
+    tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    template = ChatTemplate(tok, where=chat_template or str(info.path))  # refuses one eyas could not mask afterwards
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
               "data": {"source": str(data), "sha256": source_sha256(files)}}  # fmt: skip
     settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
@@ -214,7 +218,7 @@ def regenerate(
                 outputs = {"prompts": len(prompts), "rows_in": report.rows_in, **totals}
                 m = write_manifest(
                     out_dir, stage="regenerate", inputs=inputs, settings=settings, outputs=outputs,
-                    report=report.to_json(), verifier_path=str(info.path),
+                    report=report.to_json(), verifier_path=str(info.path), chat_template=chat_template,
                     timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
                             "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip

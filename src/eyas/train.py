@@ -230,8 +230,16 @@ class RunLog:
             self.tb.close()
 
 
-def plot_curves(out: Path, steps: int) -> None:
-    """``training_curves.png``: loss and accuracy per TTT step over training (lines) and validation (dots)."""
+def accuracy_measure(full_vocab: bool) -> str:
+    """What the logged accuracy compares, for the plot, the summary and the manifest."""
+    if full_vocab:
+        return "draft argmax == verifier full-vocab argmax"
+    return "draft argmax == verifier argmax within the draft vocab; overstates tau (--no-full-vocab-accuracy)"
+
+
+def plot_curves(out: Path, steps: int, *, accuracy: str) -> None:
+    """``training_curves.png``: loss and accuracy per TTT step over training (lines) and validation (dots);
+    ``accuracy`` (:func:`accuracy_measure`) titles the accuracy panel."""
     try:
         import matplotlib
     except ImportError:  # a dependency of eyas, but a bare GPU box running from source may lack it
@@ -252,7 +260,7 @@ def plot_curves(out: Path, steps: int) -> None:
                 x, loss, acc = zip(*pts)
                 axes[0].plot(x, loss, style, color=f"C{k}", label=f"{split} step {k}")
                 axes[1].plot(x, acc, style, color=f"C{k}", label=f"{split} step {k}")
-    for ax, title in zip(axes, ("KL(verifier || draft)", "accuracy (draft argmax == verifier full-vocab argmax)")):
+    for ax, title in zip(axes, ("KL(verifier || draft)", f"accuracy ({accuracy})")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.legend(fontsize=7)
@@ -262,8 +270,8 @@ def plot_curves(out: Path, steps: int) -> None:
     plt.close(fig)
 
 
-def print_summary(m: dict[str, Any], *, label: str) -> None:
-    print(f"\n{label}: per TTT step (k drafts token t+2+k)")
+def print_summary(m: dict[str, Any], *, label: str, accuracy: str) -> None:
+    print(f"\n{label}: per TTT step (k drafts token t+2+k; acc: {accuracy})")
     print(f"  {'k':>2}  {'loss':>8}  {'acc':>6}  {'cond acc':>8}")
     for k, (loss, acc, cond) in enumerate(zip(m["loss"], m["acc"], m["cond_acc"])):
         print(f"  {k:>2}  {loss:8.4f}  {acc:6.3f}  {cond:8.3f}")
@@ -815,8 +823,10 @@ def train(
         log_every: log metrics (and sync the device) every N steps.
         optimizer: adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head).
         freeze_lm_head: keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE trains it).
-        drop_out_of_vocab: no loss where the verifier's full-vocab argmax is outside the draft vocab (EAGLE's choice).
-        full_vocab_accuracy: score accuracy against the verifier's full-vocab argmax (costs one pass over the head).
+        drop_out_of_vocab: no loss where the verifier's full-vocab argmax is outside the draft vocab (EAGLE's choice;
+            needs --full-vocab-accuracy).
+        full_vocab_accuracy: score accuracy against the verifier's full-vocab argmax (costs one pass over the head);
+            without it accuracy is within the draft vocab and overstates tau.
         dist: under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).
         device: cpu, cuda or cuda:N (default: cuda when there is one).
         compile: torch.compile the draft layer and the loss (default: on CUDA).
@@ -863,7 +873,7 @@ def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
 def _train(d, **a: Any) -> dict[str, Any]:
     from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.model import DraftConfig, Eagle3Draft, default_attn_implementation
-    from eyas.verifier import build_final_norm, build_text_model, fingerprint, load_head_tensors, resolve
+    from eyas.verifier import build_text_model, fingerprint, load_head_tensors, resolve
 
     out = Path(a["out"])
     info = resolve(a["verifier"])
@@ -880,6 +890,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
     batch_tokens = a["batch_tokens"] or max_len
     if batch_tokens % max_len:
         raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
+    if a["drop_out_of_vocab"] and not a["full_vocab_accuracy"]:
+        raise EyasError("--drop-out-of-vocab needs the verifier's full-vocab argmax (to know which positions fall "
+                        "outside the draft vocab), which --no-full-vocab-accuracy skips computing: drop one of them")  # fmt: skip
     if a["loss_chunk_tokens"] < 1:
         raise EyasError(f"--loss-chunk-tokens must be >= 1 (got {a['loss_chunk_tokens']}); the default is {CHUNK_TOKENS}")
 
@@ -994,14 +1007,15 @@ def _train(d, **a: Any) -> dict[str, Any]:
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
         use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
+        accuracy = accuracy_measure(use_rest or len(rest_ids) == 0)
         head_w = draft.lm_head.weight
         # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
         rows = head_w.detach() if a["freeze_lm_head"] and head_w.dtype == compute_dtype else \
             heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
-        head = TargetHead(norm=build_final_norm(info, dtype=compute_dtype, device=str(where)),
-                          rows=rows, draft_target_ids=target_ids.to(where),
-                          rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
-                          rest_ids=rest_ids.to(where) if use_rest else None)  # fmt: skip
+        head = TargetHead.for_verifier(info, rows=rows, draft_target_ids=target_ids.to(where),
+                                       rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
+                                       rest_ids=rest_ids.to(where) if use_rest else None, dtype=compute_dtype,
+                                       device=where)  # fmt: skip
         del heads
         working = a["working_weights"] if a["working_weights"] is not None else not fsdp
         if working and fsdp:
@@ -1056,15 +1070,17 @@ def _train(d, **a: Any) -> dict[str, Any]:
         state = trainer.final_state()
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
-            plot_curves(out, steps)
+            plot_curves(out, steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
-            summary.update(train=result["train"], val=result["val"], truncated_rows=truncated, skipped_rows=empty)
+            # val_rows: indices into --data's rows, which `eyas eval --offline` reads
+            summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,
+                           skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
             write_manifest(out, stage=STAGE, inputs=inputs, settings=settings, outputs=summary,
                            verifier_path=info.path, data_path=str(a["data"]))  # fmt: skip
             if result["train"]:
-                print_summary(result["train"], label=f"training (last {a['log_every']} steps)")
+                print_summary(result["train"], label=f"training (last {a['log_every']} steps)", accuracy=accuracy)
             if result["val"]:
-                print_summary(result["val"], label="validation")
+                print_summary(result["val"], label="validation", accuracy=accuracy)
             print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
                   f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
         d.barrier("end of training")

@@ -662,14 +662,15 @@ def build_text_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = None,
 ):
     """A transformers ``*ForCausalLM`` of the verifier's text backbone, in eval mode.
 
     Built from the text config with transformers' own class (never remote
     code); weights are remapped from the checkpoint's prefix. Quantized
     weights (compressed-tensors, GGUF) load through transformers' quantizer
-    integrations.
+    integrations. Attention: transformers' default unless asked (SDPA where the class supports it, eager
+    otherwise: Gemma-2's softcapped attention has no SDPA path, and asking for SDPA there is an error).
     """
     from transformers import AutoModelForCausalLM
 
@@ -699,16 +700,23 @@ def build_text_model(
 # --------------------------------------------------------------------------- tokenizer and identity
 
 
-def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remote_code: bool = False):
-    """The verifier's tokenizer. Remote tokenizer code runs only with ``trust_remote_code=True``."""
+def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remote_code: bool = False,
+                   chat_template: str | None = None):  # fmt: skip
+    """The verifier's tokenizer. Remote tokenizer code runs only with ``trust_remote_code=True``.
+
+    ``chat_template`` (``--chat-template``): chats are rendered with this template instead of the tokenizer's
+    own (a base model ships none; see :func:`read_chat_template`). Every stage renders through the tokenizer
+    and :func:`chat_template_hash` hashes the template it holds, so manifests record the template used.
+    """
     from transformers import AutoTokenizer
 
     info = path_or_info if isinstance(path_or_info, VerifierInfo) else resolve(path_or_info)
     with _quiet_transformers():
         try:
             if info.gguf_file:
-                return AutoTokenizer.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
-            return AutoTokenizer.from_pretrained(info.checkpoint_dir, trust_remote_code=trust_remote_code)
+                tok = AutoTokenizer.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
+            else:
+                tok = AutoTokenizer.from_pretrained(info.checkpoint_dir, trust_remote_code=trust_remote_code)
         except ValueError as e:
             if "trust_remote_code" in str(e) and not trust_remote_code:
                 raise EyasError(
@@ -718,6 +726,48 @@ def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remo
             raise EyasError(f"could not load the tokenizer of {info.path}: {e}") from e
         except OSError as e:
             raise EyasError(f"could not load the tokenizer of {info.path}: {e}") from e
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+#: What to do about a tokenizer without a chat template (prepare, regenerate and eval render chats through one).
+NO_TEMPLATE_HINT = ("give --chat-template FILE (a Jinja template) or --chat-template CHECKPOINT (that checkpoint's "
+                    "template, e.g. the instruct model of the same family)")  # fmt: skip
+
+
+def read_chat_template(source: str | os.PathLike) -> str | dict[str, str]:
+    """The chat template ``--chat-template`` names: a Jinja file's text, or the template of a checkpoint's
+    tokenizer (a directory holding tokenizer files, a ``.gguf`` file, 'smollm2', or a hub id: only its
+    tokenizer files are fetched). No checkpoint code runs: a template is data."""
+    from transformers import AutoTokenizer
+
+    p = Path(source).expanduser()
+    if p.is_file() and p.suffix != ".gguf":
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise EyasError(f"--chat-template {source}: cannot read it as a Jinja template ({e})") from e
+        if not text.strip():
+            raise EyasError(f"--chat-template {source} is an empty file")
+        return text
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) and not str(source).startswith((".", "/"))
+    if not p.exists() and not hub_id and str(source) not in (DEMO_VERIFIER, "demo"):
+        raise EyasError(f"--chat-template {source}: no such file or checkpoint (give a Jinja file, a checkpoint "
+                        "directory or .gguf file, or a hub id)")  # fmt: skip
+    try:
+        with _quiet_transformers():
+            if p.suffix == ".gguf" or (not p.exists() and str(source) in (DEMO_VERIFIER, "demo")):
+                ckpt, gguf_file = _locate(source)
+                tok = AutoTokenizer.from_pretrained(ckpt, gguf_file=gguf_file)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else str(source), trust_remote_code=False)
+    except (OSError, ValueError, EyasError) as e:
+        why = " ".join(str(e).split())
+        raise EyasError(f"--chat-template {source}: no tokenizer to take a chat template from ({why})") from e
+    if not tok.chat_template:
+        raise EyasError(f"--chat-template {source}: that checkpoint's tokenizer has no chat template either")
+    return tok.chat_template
 
 
 def _auto_map_tokenizer(info: VerifierInfo) -> str:
