@@ -24,7 +24,6 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from eyas import dist
 from eyas.errors import EyasError
 from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
                            write_json, write_manifest)
+from eyas.remote import Answer, Server, without_credentials
 
 #: The output's conversations, one JSON object a line (what ``eyas prepare`` reads from a regenerate folder).
 CONVERSATIONS = "conversations.jsonl"
@@ -59,6 +59,7 @@ def regenerate(
     server: str | None = None,
     server_model: str | None = None,
     api_key_env: str = "OPENAI_API_KEY",
+    server_timeout: float = 600.0,
     strict: bool = False,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
@@ -93,6 +94,8 @@ def regenerate(
         server_model: the model name to ask the server for (default: the first one it lists).
         api_key_env: the environment variable holding the server's API key, if it needs one (the key is sent
             only in the request header, never written).
+        server_timeout: the seconds one --server request may take before it is retried (each is retried a few
+            times, with growing pauses, after a timeout, a lost connection, a 429 or a 5xx answer).
         strict: stop at the first bad record instead of counting and skipping it.
         trust_remote_code: allow the verifier's own tokenizer code to run.
     """
@@ -109,6 +112,8 @@ def regenerate(
         raise EyasError(f"--max-turns must be at least 1, got {max_turns}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 (greedy) or positive, got {temperature}")
+    if server_timeout <= 0:
+        raise EyasError(f"--server-timeout must be positive (seconds), got {server_timeout}")
     dev, dt = device_and_dtype(device, dtype)
     if device_map is not None and server:
         raise EyasError("--device-map loads the verifier here; with --server nothing is loaded: give one of them")
@@ -122,7 +127,7 @@ def regenerate(
     settings = {"max_new_tokens": max_new_tokens, "max_samples": max_samples, "max_turns": max_turns,
                 "temperature": temperature, "seed": seed, "strict": strict}  # fmt: skip
     if server:  # where the answers come from (a URL's user:password part is never recorded)
-        settings["server"] = {"url": _without_credentials(server), "model": server_model}
+        settings["server"] = {"url": without_credentials(server), "model": server_model}
     else:  # padding and precision move greedy answers by a token now and then
         settings.update(batch_size=batch_size, dtype=str(dt).removeprefix("torch."))
     out_dir = Path(out)
@@ -160,8 +165,9 @@ def regenerate(
             started = time.perf_counter()
             resumed = _regenerate_parts(
                 prompts, mine, parts, d, info=info, tok=tok, server=server, server_model=server_model,
-                api_key_env=api_key_env, device=dev, device_map=device_map, dtype=dt, max_new_tokens=max_new_tokens,
-                max_turns=max_turns, temperature=temperature, seed=seed, batch_size=batch_size)  # fmt: skip
+                api_key_env=api_key_env, server_timeout=server_timeout, device=dev, device_map=device_map, dtype=dt,
+                max_new_tokens=max_new_tokens, max_turns=max_turns, temperature=temperature, seed=seed,
+                batch_size=batch_size)  # fmt: skip
             seconds = max(d.all_gather(time.perf_counter() - started))
             resumed = sum(d.all_gather(resumed))
             d.barrier("end of regeneration")
@@ -203,7 +209,7 @@ def _part_path(parts: Path, p: int) -> Path:
 
 
 def _regenerate_parts(prompts, mine: list[int], parts: Path, d, *, info, tok, server, server_model, api_key_env,
-                      device, device_map, dtype, max_new_tokens, max_turns, temperature, seed,
+                      server_timeout, device, device_map, dtype, max_new_tokens, max_turns, temperature, seed,
                       batch_size) -> int:  # fmt: skip
     """This rank's parts of the work, each written when finished; returns how many an earlier run had written."""
     from tqdm.auto import tqdm
@@ -215,7 +221,7 @@ def _regenerate_parts(prompts, mine: list[int], parts: Path, d, *, info, tok, se
     backend: LocalVerifier | Server | None = None
     if todo and server:
         backend = Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                         batch_size=batch_size, api_key_env=api_key_env)  # fmt: skip
+                         concurrency=batch_size, api_key_env=api_key_env, timeout=server_timeout)  # fmt: skip
     elif todo:
         eos_ids = end_of_turn_ids(tok)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
@@ -239,16 +245,6 @@ def _regenerate_parts(prompts, mine: list[int], parts: Path, d, *, info, tok, se
 
 #: What the manifest counts (``outputs``).
 _COUNTS = ("conversations", "answers", "new_tokens", "cut_at_max_new_tokens", "empty_answers", "prompt_too_long")
-
-
-@dataclass
-class Answer:
-    """One generated turn: its text (None when the conversation no longer fits the verifier's context), whether
-    the verifier ended it itself (else it was cut at ``max_new_tokens``), and how many tokens it took."""
-
-    text: str | None
-    finished: bool
-    tokens: int
 
 
 class LocalVerifier:
@@ -286,88 +282,11 @@ class LocalVerifier:
         return out  # type: ignore[return-value]
 
 
-class Server:
-    """Answers from an OpenAI-compatible chat-completions endpoint serving the verifier (vLLM, SGLang, ...), for
-    verifiers too large to load here. ``batch_size`` requests run at once. The API key is read from the
-    environment variable ``api_key_env`` (or a ``user:password@`` in the URL is used) and sent only in the
-    Authorization header: never written anywhere."""
-
-    def __init__(self, url: str, model: str | None, *, max_new_tokens: int, temperature: float, seed: int,
-                 batch_size: int, api_key_env: str, retries: int = 3, timeout: float = 600.0) -> None:  # fmt: skip
-        import base64
-        import os
-        from urllib.parse import unquote, urlsplit
-
-        self.url = _without_credentials(url).rstrip("/")  # what messages may show
-        self.auth = None
-        if key := os.environ.get(api_key_env):
-            self.auth = f"Bearer {key}"
-        elif (u := urlsplit(url)).username:  # http://user:password@host/v1: basic authentication
-            pair = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
-            self.auth = "Basic " + base64.b64encode(pair).decode()
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.batch_size, self.retries, self.timeout = batch_size, retries, timeout
-        self.model = model or self._first_model()
-
-    def _request(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        """``(status, parsed JSON or text)``; connection failures retried with a growing pause, then an error."""
-        import urllib.error
-        import urllib.request
-
-        headers = {"Content-Type": "application/json", **({"Authorization": self.auth} if self.auth else {})}
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return r.status, json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                text = e.read().decode(errors="replace")[:500]
-                if e.code < 500 or attempt == self.retries:
-                    return e.code, text
-            except (urllib.error.URLError, OSError) as e:
-                if attempt == self.retries:
-                    raise EyasError(f"the server {self.url} did not answer {path} ({e}); is it running, and is "
-                                    "--server its OpenAI base URL (http://host:port/v1)?") from None  # fmt: skip
-            time.sleep(2**attempt)
-        raise AssertionError("unreachable")
-
-    def _first_model(self) -> str:
-        status, got = self._request("/models")
-        try:
-            return got["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise EyasError(f"{self.url}/models answered {status} {str(got)[:200]!r}: name the served model with "
-                            "--server-model") from None  # fmt: skip
-
-    def _one(self, messages: list[dict[str, str]]) -> Answer:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature, **({"seed": self.seed} if self.temperature > 0 else {})}  # fmt: skip
-        status, got = self._request("/chat/completions", body)
-        if status == 400 and any(w in str(got).lower() for w in ("context", "too long", "maximum")):
-            return Answer(None, False, 0)
-        if status != 200:
-            raise EyasError(f"{self.url}/chat/completions answered {status}: {str(got)[:300]}")
-        try:
-            choice = got["choices"][0]
-            text = choice["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise EyasError(f"{self.url}/chat/completions answered no choices[0].message: {str(got)[:300]}") from None
-        tokens = int((got.get("usage") or {}).get("completion_tokens") or 0)
-        return Answer(text.strip(), choice.get("finish_reason") != "length", tokens)
-
-    def answer(self, conversations: list[list[dict[str, str]]], generator: torch.Generator) -> list[Answer]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=self.batch_size) as pool:
-            return list(pool.map(self._one, conversations))
-
-
 def _answer(prompts, backend, *, max_turns: int | None, generator: torch.Generator, bar) -> dict[str, Any]:
     """One part: every prompt answered turn by turn -> ``{"records": [...], "counts": {...}}``; ``bar`` moves
     as each prompt gets its last answer."""
     last = [min(len(p.turns), max_turns or len(p.turns)) - 1 for p in prompts]  # the last turn answered
-    answers: list[list[str]] = [[] for _ in prompts]
+    answers: list[list[Answer]] = [[] for _ in prompts]
     open_ = [True] * len(prompts)  # still being answered
     counts = dict.fromkeys(_COUNTS, 0)
 
@@ -377,7 +296,7 @@ def _answer(prompts, backend, *, max_turns: int | None, generator: torch.Generat
 
     for t in range(max(last) + 1):
         todo = [i for i in range(len(prompts)) if open_[i]]
-        for i, a in zip(todo, backend.answer([prompts[i].messages(answers[i]) for i in todo], generator)):
+        for i, a in zip(todo, backend.answer([_conversation(prompts[i], answers[i]) for i in todo], generator)):
             counts["new_tokens"] += a.tokens
             if a.text is None:
                 counts["prompt_too_long"] += 1
@@ -386,7 +305,7 @@ def _answer(prompts, backend, *, max_turns: int | None, generator: torch.Generat
                 counts["empty_answers"] += 1
                 close(i)
             else:
-                answers[i].append(a.text)
+                answers[i].append(a)
                 counts["answers"] += 1
                 if not a.finished:
                     counts["cut_at_max_new_tokens"] += 1
@@ -394,10 +313,22 @@ def _answer(prompts, backend, *, max_turns: int | None, generator: torch.Generat
                 elif t == last[i]:
                     close(i)
     # Prompt.messages ends on the next user turn while one is left: that turn went unanswered, so it goes
-    records = [{"id": p.id, "messages": p.messages(ans)[: 2 * len(ans) + (1 if p.system else 0)]}
+    records = [{"id": p.id, "messages": _conversation(p, ans)[: 2 * len(ans) + (1 if p.system else 0)]}
                for p, ans in zip(prompts, answers) if ans]  # fmt: skip
     counts["conversations"] = len(records)
     return {"records": records, "counts": counts}
+
+
+def _conversation(prompt, answers: list[Answer]) -> list[dict[str, str]]:
+    """``prompt``'s messages up to its next user turn, each answer with the reasoning a server returned beside
+    it as ``reasoning_content`` (the key `eyas prepare` hands to chat templates that render reasoning, such as
+    Qwen3's ``<think>`` block, and servers read back)."""
+    thoughts = iter(a.reasoning for a in answers)
+    out = []
+    for m in prompt.messages([a.text for a in answers]):
+        reasoning = next(thoughts) if m["role"] == "assistant" else None
+        out.append({**m, "reasoning_content": reasoning} if reasoning else m)
+    return out
 
 
 def _generate(model, prompts: list[list[int]], *, eos_ids: set[int], pad_id: int, max_new_tokens: int,
@@ -443,18 +374,6 @@ def _generate(model, prompts: list[list[int]], *, eos_ids: set[int], pad_id: int
         step_pos = step_pos[:, -1:] + 1
         attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
     return out
-
-
-def _without_credentials(url: str) -> str:
-    """``url`` with any ``user:password@`` removed (what a manifest may record)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    u = urlsplit(url)
-    host = u.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if u.port:
-        netloc += f":{u.port}"
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
 
 
 def _print_summary(out_dir: Path, o: dict[str, Any]) -> None:
