@@ -300,7 +300,7 @@ def test_a_server_down_at_first_then_up_and_a_500_are_retried(monkeypatch):
     try:
         started = time.monotonic()
         client = _client(f"http://127.0.0.1:{port}/v1", concurrency=1)  # asks /models: refused, then retried
-        assert client.model == "fault" and time.monotonic() - started >= 1.0
+        assert client.model == "fault" and time.monotonic() - started > 0.9
         got = client.answer(CONVS)
     finally:
         timer.join()
@@ -312,13 +312,13 @@ def test_a_server_down_at_first_then_up_and_a_500_are_retried(monkeypatch):
 
 
 def test_a_slow_answer_is_retried_and_a_server_always_too_slow_is_an_error():
-    srv = FaultServer(["slow"], slow_s=1.5)
+    srv = FaultServer(["slow"], slow_s=2.5)
     try:
-        assert _client(srv.url, timeout=0.5, retries=1).answer(CONVS[:1])[0].text == "echo: one"
+        assert _client(srv.url, timeout=1.0, retries=1).answer(CONVS[:1])[0].text == "echo: one"
         srv.script = ["slow", "slow"]
-        with pytest.raises(EyasError, match=r"/chat/completions gave no answer within 0\.5 s, 1 times: raise "
+        with pytest.raises(EyasError, match=r"/chat/completions gave no answer within 1 s in 2 tries: raise "
                                             r"--server-timeout"):  # fmt: skip
-            _client(srv.url, timeout=0.5, retries=1).answer(CONVS[:1])
+            _client(srv.url, timeout=1.0, retries=1).answer(CONVS[:1])
         assert srv.chats() == 4
     finally:
         srv.stop()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from eyas.datasets import REASONING_KEYS
 from eyas.errors import EyasError
 
 #: Retries of one request before it is given up. The openai client's backoff (0.5, 1, 2, 4, 8, 8 s, less
@@ -130,7 +131,7 @@ class Server:
 
         where = f"{self.url}{path}"
         if isinstance(e, openai.APITimeoutError):
-            text = (f"{where} gave no answer within {self.timeout:g} s, {self.retries} times: raise "
+            text = (f"{where} gave no answer within {self.timeout:g} s in {self.retries + 1} tries: raise "
                     "--server-timeout, or lower --batch-size (the requests in flight)")  # fmt: skip
         elif isinstance(e, openai.APIConnectionError):
             text = (f"the server {self.url} did not answer {path} ({e.__cause__ or e}), {self.retries} retries "
@@ -158,11 +159,12 @@ class Server:
 
 
 def reasoning_of(message: Any) -> str | None:
-    """The reasoning a server returned beside an answer's text, or None: vLLM and SGLang's reasoning parsers
-    and ``transformers serve`` put it in ``reasoning_content``, newer vLLM in ``reasoning``; neither is in
-    the OpenAI schema, so the client keeps them as extra fields."""
+    """The reasoning a server returned beside an answer's text, or None: vLLM's and SGLang's reasoning parsers
+    and ``transformers serve`` put it in ``reasoning_content``, newer vLLM and Ollama in ``reasoning`` (the
+    keys a conversation file may use too); none is in the OpenAI schema, so the client keeps them as extra
+    fields."""
     extra = getattr(message, "model_extra", None) or {}
-    for field in ("reasoning_content", "reasoning"):
+    for field in REASONING_KEYS:
         value = extra.get(field, getattr(message, field, None))
         if isinstance(value, str) and value.strip():
             return value.strip()
