@@ -31,7 +31,6 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from eyas.datasets import CONVERSATIONS
 from eyas.errors import EyasError
 from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
                            write_manifest)  # fmt: skip
+from eyas.remote import Answer, Server, without_credentials
 
 __all__ = ["CONVERSATIONS", "regenerate"]
 
@@ -63,6 +63,7 @@ def regenerate(
     server_model: str | None = None,
     api_key_env: str = "OPENAI_API_KEY",
     concurrency: int = 16,
+    server_timeout: float = 600.0,
     strict: bool = False,
     trust_remote_code: bool = False,
     chat_template: str | None = None,
@@ -106,6 +107,8 @@ def regenerate(
         api_key_env: the environment variable holding the server's API key, if it needs one (the key is sent
             only in the request header, never written).
         concurrency: with --server, the requests in flight at once.
+        server_timeout: the seconds one --server request may take before it is retried (each is retried a few
+            times with backoff, as the openai client does).
         strict: stop at the first bad record instead of counting and skipping it.
         trust_remote_code: allow the verifier's own tokenizer code to run.
         chat_template: render prompts with this template instead of the tokenizer's own (a base model has none):
@@ -129,6 +132,8 @@ def regenerate(
                         f"least {max_seq_len}")  # fmt: skip
     if max_turns is not None and max_turns < 1:
         raise EyasError(f"--max-turns must be at least 1, got {max_turns}")
+    if server_timeout <= 0:
+        raise EyasError(f"--server-timeout must be positive (seconds), got {server_timeout}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 (greedy) or positive, got {temperature}")
     dev, dt = device_and_dtype(device, dtype)
@@ -144,7 +149,7 @@ def regenerate(
     settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
                 "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict}  # fmt: skip
     if server:  # where the answers come from (a URL's user:password part is never recorded)
-        settings["server"] = {"url": _without_credentials(server), "model": server_model}
+        settings["server"] = {"url": without_credentials(server), "model": server_model}
     else:  # precision moves greedy answers by a token now and then
         settings["dtype"] = str(dt).removeprefix("torch.")
     out_dir = Path(out)
@@ -183,7 +188,7 @@ def regenerate(
             new_tokens = 0
             if todo:
                 backend = _backend(server=server, server_model=server_model, api_key_env=api_key_env,
-                                   concurrency=concurrency, info=info, tok=tok, device=dev, device_map=device_map,
+                                   concurrency=concurrency, server_timeout=server_timeout, info=info, tok=tok, device=dev, device_map=device_map,
                                    dtype=dt, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
                                    batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d)  # fmt: skip
                 mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
@@ -294,16 +299,6 @@ def read_journals(parts: Path) -> dict[int, dict[str, Any]]:
 # --------------------------------------------------------------------------- conversations
 
 
-@dataclass
-class Answer:
-    """One generated turn: its text (None when the conversation no longer fits ``max_seq_len``), whether the
-    verifier ended it itself (else it was cut at ``max_new_tokens``), and how many tokens it took."""
-
-    text: str | None
-    finished: bool
-    tokens: int
-
-
 def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journal: Journal, done: int, total: int,
               desc: str, show: bool) -> int:  # fmt: skip
     """Every prompt of ``todo`` answered turn by turn, all conversations in flight at once: each next turn is
@@ -311,14 +306,14 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
     Returns the new tokens decoded."""
     from tqdm.auto import tqdm
 
-    answers: dict[int, list[str]] = {i: [] for i in todo}
+    answers: dict[int, list[Answer]] = {i: [] for i in todo}
     counts = {i: dict.fromkeys(_COUNTS, 0) for i in todo}
     last = {i: min(len(prompts[i].turns), max_turns or len(prompts[i].turns)) - 1 for i in todo}
     new_tokens, t0 = 0, time.perf_counter()
     with tqdm(total=total, initial=done, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True,
               disable=not show) as bar:  # fmt: skip
         for i in todo:
-            backend.submit(i, 0, prompts[i].messages([]))
+            backend.submit(i, 0, _conversation(prompts[i], []))
         for i, a in backend.results():
             c, said = counts[i], answers[i]
             c["new_tokens"] += a.tokens
@@ -329,20 +324,20 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
             elif not a.text:  # an empty turn would be cut by `eyas prepare` anyway; end the conversation here
                 c["empty_answers"] += 1
             else:
-                said.append(a.text)
+                said.append(a)
                 c["answers"] += 1
                 if not a.finished:
                     c["cut_at_max_new_tokens"] += 1
                 else:
                     over = len(said) > last[i]
             if not over:
-                backend.submit(i, len(said), prompts[i].messages(said))
+                backend.submit(i, len(said), _conversation(prompts[i], said))
                 continue
             p = prompts[i]
             # Prompt.messages ends on the next user turn while one is left: that turn went unanswered, so it goes
             record = None
             if said:
-                record = {"id": p.id, "messages": p.messages(said)[: 2 * len(said) + (1 if p.system else 0)]}
+                record = {"id": p.id, "messages": _conversation(p, said)[: 2 * len(said) + (1 if p.system else 0)]}
             c["conversations"] = int(record is not None)
             journal.append(i, record, c)
             del answers[i], counts[i]
@@ -351,16 +346,29 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
     return new_tokens
 
 
+def _conversation(prompt, answers: list[Answer]) -> list[dict[str, str]]:
+    """``prompt``'s messages up to its next user turn, each answer with the reasoning a server returned beside
+    it as ``reasoning_content`` (the key `eyas prepare` hands to chat templates that render reasoning, such as
+    Qwen3's ``<think>`` block, and servers read back)."""
+    thoughts = iter(a.reasoning for a in answers)
+    out = []
+    for m in prompt.messages([a.text for a in answers]):
+        reasoning = next(thoughts) if m["role"] == "assistant" else None
+        out.append({**m, "reasoning_content": reasoning} if reasoning else m)
+    return out
+
+
 def _request_seed(seed: int, i: int, turn: int) -> int:
     """The sampling seed of prompt ``i``'s turn ``turn``: the same whichever rank or batch decodes it."""
     return (seed * 1_000_003 + i) * 1_009 + turn
 
 
-def _backend(*, server, server_model, api_key_env, concurrency, info, tok, device, device_map, dtype, max_new_tokens,
-             max_seq_len, batch_tokens, temperature, seed, d):  # fmt: skip
+def _backend(*, server, server_model, api_key_env, concurrency, server_timeout, info, tok, device, device_map, dtype,
+             max_new_tokens, max_seq_len, batch_tokens, temperature, seed, d):  # fmt: skip
     if server:
         return ServerBackend(Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed, api_key_env=api_key_env), concurrency=concurrency)  # fmt: skip
+                                    seed=seed, concurrency=concurrency, api_key_env=api_key_env,
+                                    timeout=server_timeout))  # fmt: skip
     from eyas.generate import default_batch_tokens
     from eyas.verifier import build_text_model
 
@@ -413,15 +421,16 @@ class LocalBackend:
 
 
 class ServerBackend:
-    """Answers from an OpenAI-compatible server, ``concurrency`` requests in flight."""
+    """Answers from an OpenAI-compatible server (:class:`eyas.remote.Server`), its ``concurrency`` requests in
+    flight across all conversations: a conversation's next turn is sent as soon as its answer is back."""
 
-    def __init__(self, server: "Server", *, concurrency: int) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
-        self.pool = ThreadPoolExecutor(max_workers=concurrency)
+        self.pool = ThreadPoolExecutor(max_workers=server.concurrency)
         self.pending: dict[Future, int] = {}
 
     def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
-        self.pending[self.pool.submit(self.server.answer_one, messages, _request_seed(self.server.seed, i, turn))] = i
+        self.pending[self.pool.submit(self.server.complete, messages)] = i
 
     def results(self) -> Iterator[tuple[int, Answer]]:
         try:
@@ -431,87 +440,7 @@ class ServerBackend:
                     yield self.pending.pop(f), f.result()
         finally:
             self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-class Server:
-    """Answers from an OpenAI-compatible chat-completions endpoint serving the verifier (vLLM, SGLang, ...), for
-    verifiers too large to load here. The API key is read from the environment variable ``api_key_env`` (or a
-    ``user:password@`` in the URL is used) and sent only in the Authorization header: never written anywhere."""
-
-    def __init__(self, url: str, model: str | None, *, max_new_tokens: int, temperature: float, seed: int,
-                 api_key_env: str, retries: int = 3, timeout: float = 600.0) -> None:  # fmt: skip
-        import base64
-        from urllib.parse import unquote, urlsplit
-
-        self.url = _without_credentials(url).rstrip("/")  # what messages may show
-        self.auth = None
-        if key := os.environ.get(api_key_env):
-            self.auth = f"Bearer {key}"
-        elif (u := urlsplit(url)).username:  # http://user:password@host/v1: basic authentication
-            pair = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
-            self.auth = "Basic " + base64.b64encode(pair).decode()
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.retries, self.timeout = retries, timeout
-        self.model = model or self._first_model()
-
-    def _request(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-        """``(status, parsed JSON or text)``; connection failures retried with a growing pause, then an error."""
-        import urllib.error
-        import urllib.request
-
-        headers = {"Content-Type": "application/json", **({"Authorization": self.auth} if self.auth else {})}
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    return r.status, json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                text = e.read().decode(errors="replace")[:500]
-                if e.code < 500 or attempt == self.retries:
-                    return e.code, text
-            except (urllib.error.URLError, OSError) as e:
-                if attempt == self.retries:
-                    raise EyasError(f"the server {self.url} did not answer {path} ({e}); is it running, and is "
-                                    "--server its OpenAI base URL (http://host:port/v1)?") from None  # fmt: skip
-            time.sleep(2**attempt)
-        raise AssertionError("unreachable")
-
-    def _first_model(self) -> str:
-        status, got = self._request("/models")
-        try:
-            return got["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise EyasError(f"{self.url}/models answered {status} {str(got)[:200]!r}: name the served model with "
-                            "--server-model") from None  # fmt: skip
-
-    def answer_one(self, messages: list[dict[str, str]], seed: int) -> Answer:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature, **({"seed": seed} if self.temperature > 0 else {})}  # fmt: skip
-        status, got = self._request("/chat/completions", body)
-        if status == 400 and any(w in str(got).lower() for w in ("context", "too long", "maximum")):
-            return Answer(None, False, 0)
-        if status != 200:
-            raise EyasError(f"{self.url}/chat/completions answered {status}: {str(got)[:300]}")
-        try:
-            choice = got["choices"][0]
-            text = choice["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise EyasError(f"{self.url}/chat/completions answered no choices[0].message: {str(got)[:300]}") from None
-        tokens = int((got.get("usage") or {}).get("completion_tokens") or 0)
-        return Answer(text.strip(), choice.get("finish_reason") != "length", tokens)
-
-
-def _without_credentials(url: str) -> str:
-    """``url`` with any ``user:password@`` removed (what a manifest may record)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    u = urlsplit(url)
-    host = u.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if u.port:
-        netloc += f":{u.port}"
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+            self.server.close()
 
 
 def _print_summary(out_dir: Path, o: dict[str, Any]) -> None:
