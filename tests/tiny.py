@@ -163,8 +163,8 @@ def _deepseek_config(**over: Any):
             n_group=1,
             topk_group=1,
             tie_word_embeddings=False,
-            **over,
         )
+        | over
     )
 
 
@@ -185,7 +185,7 @@ raise RuntimeError("eyas imported checkpoint code from " + __file__)
 """
 
 
-def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False) -> Tiny:
+def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False, **text_config: Any) -> Tiny:
     """A Kimi-K2.5-like wrapper: unknown top-level model_type, a deepseek_v3 ``text_config``, weights under
     ``language_model.model.*`` / ``language_model.lm_head.*`` beside a vision tower, split over shards with
     an index, and an ``auto_map`` naming modules whose import fails (and leaves a sentinel).
@@ -193,12 +193,13 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False)
     With ``int4``, laid out as Kimi-K2.5's int4 release: every routed expert's ``gate/up/down_proj`` is
     compressed-tensors ``pack-quantized`` int4 (group 32; ``weight_packed``, ``weight_scale``, ``weight_shape``
     per expert), everything else stays dense, and ``text_config.quantization_config`` carries Kimi's ignore
-    list. The reference then holds the dequantized experts, loaded by transformers from a dense copy."""
+    list. The reference then holds the dequantized experts, loaded by transformers from a dense copy.
+    ``text_config`` overrides DeepseekV3 config values (more or wider experts, say)."""
     import tempfile
 
     from transformers import DeepseekV3ForCausalLM
 
-    cfg = _deepseek_config()
+    cfg = _deepseek_config(**text_config)
     model = _build(cfg, DeepseekV3ForCausalLM, seed)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -366,20 +367,22 @@ def _compress(model: torch.nn.Module):
 
 def _pack_routed_experts(on_disk: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Replace every routed expert weight (``...mlp.experts.N.{gate,up,down}_proj.weight``) by its packed int4
-    tensors; also return the checkpoint with those weights dequantized instead (for the reference)."""
+    tensors; also return the checkpoint with those weights dequantized instead (for the reference). All experts
+    are quantized and packed in one pass (one holder module with a Linear per expert weight)."""
     import re
 
+    keys = [k for k in on_disk if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k)]
+    holder = torch.nn.ModuleList(torch.nn.Linear(on_disk[k].shape[1], on_disk[k].shape[0], bias=False) for k in keys)
+    for linear, key in zip(holder, keys):
+        linear.weight.data.copy_(on_disk[key])
+    dequantized = _int4_quantize(holder, ignore=[])
+    _compress(holder)
     packed, dense = dict(on_disk), dict(on_disk)
-    for key, w in on_disk.items():
-        if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
-            continue
-        holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
-        holder[0].weight.data.copy_(w)
-        dense[key] = _int4_quantize(holder, ignore=[])["0.weight"]
-        _compress(holder)
+    for i, key in enumerate(keys):
+        dense[key] = dequantized[f"{i}.weight"]
         del packed[key]
         base = key.removesuffix("weight")
-        packed.update({base + k: v.clone() for k, v in holder[0].state_dict().items()})
+        packed.update({base + k: v.clone() for k, v in holder[i].state_dict().items()})
     return packed, dense
 
 

@@ -628,11 +628,19 @@ def key_mapping(info: VerifierInfo) -> dict[str, str] | None:
     return mapping or None
 
 
-def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
+def _text_quantization_config(info: VerifierInfo, *, packed: bool) -> dict[str, Any] | None:
+    """The checkpoint's quantization config for the text model. compressed-tensors weights stay packed
+    (:mod:`eyas.packed`) unless ``packed`` is false, when transformers dequantizes them while loading."""
     cfg = json.loads((info.checkpoint_dir / "config.json").read_text())
     q = copy.deepcopy(cfg.get("quantization_config") or info.text_config.get("quantization_config"))
     if q and q.get("quant_method") == "compressed-tensors":
-        q.update(_ct_dequantize_flag())
+        if packed:
+            from eyas.packed import packed_quantization_config
+
+            per_expert = any(_PER_EXPERT_KEY.search(k) for k in _weight_map(info.checkpoint_dir))
+            q = packed_quantization_config(q, unfuse_experts=per_expert)
+        else:
+            q.update(dequantize=True)
     if not q or info.weight_prefix == "model.":
         return q
     # compressed-tensors names modules by their checkpoint path; rename them as the keys are renamed.
@@ -643,17 +651,8 @@ def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     return q
 
 
-def _ct_dequantize_flag() -> dict[str, bool]:
-    """Ask transformers to dequantize compressed-tensors weights while loading. Otherwise it leaves them packed
-    and decompresses on the first forward of the *top* module (a hook on ``*ForCausalLM``), which a caller
-    running only the backbone (``model.model``, as extract does to skip the head) never triggers. Newer
-    transformers call the flag ``dequantize=True``, older ones ``run_compressed=False``."""
-    import inspect
-
-    from transformers import CompressedTensorsConfig
-
-    params = inspect.signature(CompressedTensorsConfig.__init__).parameters
-    return {"dequantize": True} if "dequantize" in params else {"run_compressed": False}
+#: A checkpoint key of one MoE expert stored on its own (``...mlp.experts.7.down_proj.weight_packed``).
+_PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 
 
 def build_text_model(
@@ -662,14 +661,19 @@ def build_text_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
+    max_memory: dict | None = None,
     attn_implementation: str | None = "sdpa",
+    packed: bool = True,
 ):
     """A transformers ``*ForCausalLM`` of the verifier's text backbone, in eval mode.
 
     Built from the text config with transformers' own class (never remote
     code); weights are remapped from the checkpoint's prefix. Quantized
     weights (compressed-tensors, GGUF) load through transformers' quantizer
-    integrations.
+    integrations; compressed-tensors weights stay packed in memory and are
+    decompressed per matmul (:mod:`eyas.packed`), or, with ``packed=False``,
+    are dequantized while loading. ``device_map`` / ``max_memory`` place the
+    layers over GPUs and host memory as transformers' ``from_pretrained`` does.
     """
     from transformers import AutoModelForCausalLM
 
@@ -680,12 +684,14 @@ def build_text_model(
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
     with _quiet_transformers():
         if info.gguf_file:
             model = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file, **kwargs)
         else:
             cfg = transformers_text_config(info)
-            q = _text_quantization_config(info)
+            q = _text_quantization_config(info, packed=packed)
             if q:
                 cfg.quantization_config = q
             model = AutoModelForCausalLM.from_pretrained(
