@@ -697,9 +697,23 @@ def build_text_model(
             model = AutoModelForCausalLM.from_pretrained(
                 info.checkpoint_dir, config=cfg, key_mapping=key_mapping(info), **kwargs
             )
+            if q:
+                _cast_renamed_quantized(model, dtype)
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval()
+
+
+def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
+    """Give a quantized checkpoint's floating parameters the asked ``dtype``. transformers 5.17 loads every
+    tensor of a pre-quantized checkpoint whose key it renames (a wrapper's ``language_model.`` prefix) in the
+    checkpoint's own dtype (``core_model_loading``: ``_dtype = None`` for renamed keys), so a wrapped int4
+    verifier came out in fp32 when asked for bf16; 5.24 casts them. The model's
+    ``_keep_in_fp32_modules_strict`` stay in fp32, as transformers keeps them."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.device.type != "meta" and p.dtype != dtype and not any(k in name for k in keep):
+            p.data = p.data.to(dtype)
 
 
 # --------------------------------------------------------------------------- tokenizer and identity
@@ -918,11 +932,24 @@ class HiddenStateCapture:
         return torch.stack([p if device is None else p.to(device) for p in self._parts()], dim=-2)
 
 
+def input_device(model) -> torch.device:
+    """The device a verifier's forward takes its input ids on: its embedding's, or, when a ``device_map``
+    offloads the embedding to host memory, the GPU accelerate's hook runs it on."""
+    embed = model.get_input_embeddings()
+    hook = getattr(embed, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    return torch.device(device if device is not None else embed.weight.device)
+
+
 def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int],
                           attention_mask: torch.Tensor | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``."""
-    with torch.no_grad(), varying_shape_attention(input_ids.device), HiddenStateCapture(model, layer_ids) as cap:
-        model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-    parts = cap._parts()
+    """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``
+    on ``input_ids``' device. Under a ``device_map`` the inputs go to the verifier's first device and the states
+    come back from whichever GPU (or host-offloaded layer's GPU) produced them, so the draft may sit elsewhere."""
+    where = input_device(model)
+    mask = None if attention_mask is None else attention_mask.to(where)
+    with torch.no_grad(), varying_shape_attention(where), HiddenStateCapture(model, layer_ids) as cap:
+        model.base_model(input_ids=input_ids.to(where), attention_mask=mask, use_cache=False, **kwargs)
+    parts = [p.to(input_ids.device) for p in cap._parts()]
     return torch.cat(parts[:-1], dim=-1), parts[-1]
