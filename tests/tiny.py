@@ -212,11 +212,21 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False,
             ref = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # fuses experts its own way
             sd = {k: v.clone() for k, v in ref.state_dict().items()}
             text_cfg["quantization_config"] = KIMI_INT4_QUANTIZATION
-    weights = {f"language_model.{k}": v for k, v in on_disk.items()}
+    write_kimi_wrapper(path, on_disk, text_cfg, shards=shards, seed=seed)
+    return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
+
+
+def write_kimi_wrapper(path: Path, text_weights: dict[str, torch.Tensor], text_cfg: dict[str, Any], *,
+                       shards: int = 3, seed: int = 5) -> None:  # fmt: skip
+    """Write a Kimi-K2.5-like checkpoint dir around a text model's weights and config: the weights under
+    ``language_model.`` beside a vision tower, split over ``shards`` files with an index, the wrapper config
+    (``text_config`` inside, an ``auto_map`` to remote modules whose import fails) and a tokenizer."""
+    weights = {f"language_model.{k}": v for k, v in text_weights.items()}
     g = torch.Generator().manual_seed(seed)
+    H = int(text_cfg["hidden_size"])
     weights["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=g)
     weights["vision_tower.encoder.layers.0.norm.weight"] = torch.randn(32, generator=g)
-    weights["multi_modal_projector.linear_1.weight"] = torch.randn(HIDDEN, 32, generator=g)
+    weights["multi_modal_projector.linear_1.weight"] = torch.randn(H, 32, generator=g)
     path.mkdir(parents=True, exist_ok=True)
     keys = sorted(weights)
     weight_map = {}
@@ -246,7 +256,6 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False,
     for mod in ("configuration_kimi_k25.py", "modeling_kimi_k25.py"):
         (path / mod).write_text(_REMOTE_MODULE.format(sentinel=REMOTE_SENTINEL))
     make_tokenizer().save_pretrained(path)
-    return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
 
 
 BUILDERS: dict[str, Callable[..., Tiny]] = {
@@ -365,25 +374,33 @@ def _compress(model: torch.nn.Module):
     return compressor
 
 
-def _pack_routed_experts(on_disk: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Replace every routed expert weight (``...mlp.experts.N.{gate,up,down}_proj.weight``) by its packed int4
-    tensors; also return the checkpoint with those weights dequantized instead (for the reference). All experts
-    are quantized and packed in one pass (one holder module with a Linear per expert weight)."""
-    import re
-
-    keys = [k for k in on_disk if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k)]
-    holder = torch.nn.ModuleList(torch.nn.Linear(on_disk[k].shape[1], on_disk[k].shape[0], bias=False) for k in keys)
+def int4_pack(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Quantize each ``[out, in]`` weight to int4 (group 32, symmetric) and pack it with compressed-tensors, on
+    the weights' device, all in one pass (one holder module with a Linear per weight). Returns the packed
+    tensors (``<key without "weight">weight_packed`` / ``weight_scale`` / ``weight_shape``) and the dequantized
+    weights per key."""
+    keys = list(weights)
+    holder = torch.nn.ModuleList(torch.nn.Linear(weights[k].shape[1], weights[k].shape[0], bias=False,
+                                                 device=weights[k].device) for k in keys)  # fmt: skip
     for linear, key in zip(holder, keys):
-        linear.weight.data.copy_(on_disk[key])
+        linear.weight.data.copy_(weights[key])
     dequantized = _int4_quantize(holder, ignore=[])
     _compress(holder)
-    packed, dense = dict(on_disk), dict(on_disk)
+    packed = {}
     for i, key in enumerate(keys):
-        dense[key] = dequantized[f"{i}.weight"]
-        del packed[key]
         base = key.removesuffix("weight")
         packed.update({base + k: v.clone() for k, v in holder[i].state_dict().items()})
-    return packed, dense
+    return packed, {key: dequantized[f"{i}.weight"] for i, key in enumerate(keys)}
+
+
+def _pack_routed_experts(on_disk: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Replace every routed expert weight (``...mlp.experts.N.{gate,up,down}_proj.weight``) by its packed int4
+    tensors; also return the checkpoint with those weights dequantized instead (for the reference)."""
+    import re
+
+    experts = {k: w for k, w in on_disk.items() if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k)}
+    packed, dequantized = int4_pack(experts)
+    return {**{k: v for k, v in on_disk.items() if k not in experts}, **packed}, {**on_disk, **dequantized}
 
 
 def llama_int4(path: Path, *, seed: int = 7) -> Tiny:

@@ -297,6 +297,24 @@ def _find_text_config(cfg: dict[str, Any], where: Path) -> tuple[str | None, dic
     )
 
 
+def text_model_type(text_config: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The transformers model_type of the text model: its config's own, or, when transformers has no causal-LM
+    class for that one, the type of the transformers class its ``architectures`` names (a Kimi-K2 text config
+    says ``kimi_k2`` and ``DeepseekV3ForCausalLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    own = text_config.get("model_type") or config.get("model_type")
+    if own is None or _known_causal_lm(own):
+        return own
+    for arch in text_config.get("architectures") or []:
+        types = [t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch]
+        # several types may share a class (DeepseekV3ForCausalLM): take the one the class is named after
+        named = [t for t in types if arch.lower().startswith(t.replace("_", ""))] or types
+        if named:
+            return named[0]
+    return own
+
+
 def _known_causal_lm(model_type: str) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -309,10 +327,38 @@ def transformers_text_config(info: VerifierInfo):
 
     if info.gguf_file:
         return AutoConfig.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
-    d = {k: v for k, v in info.text_config.items() if k not in ("model_type", "auto_map", "architectures")}
-    cfg = AutoConfig.for_model(info.text_model_type, **d)
+    return config_for(info.text_model_type, info.text_config)
+
+
+def config_for(text_model_type: str, text_config: dict[str, Any]):
+    """A transformers config object of ``text_model_type`` from a text config read as JSON."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in text_config.items() if k not in ("model_type", "auto_map", "architectures")}
+    cfg = AutoConfig.for_model(text_model_type, **d)
     cfg.architectures = None
     return cfg
+
+
+def read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """A checkpoint dir's ``config.json``, the key its text config sits under (None: the top level) and the text
+    config, read as JSON only (no weights needed: `eyas plan` works from a config alone)."""
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise EyasError(f"no config.json in {path}: not a Hugging Face checkpoint directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise EyasError(f"{cfg_path} is not a JSON object")
+    key, text = _find_text_config(cfg, cfg_path)
+    return cfg, key, text
+
+
+def weight_refs(path: str | os.PathLike) -> dict[str, TensorRef]:
+    """Every tensor of a checkpoint dir (its index and shard headers; no tensor data is read)."""
+    return _weight_map(Path(path))
 
 
 # --------------------------------------------------------------------------- resolve
@@ -336,7 +382,7 @@ def resolve(path: str | os.PathLike) -> VerifierInfo:
     if not isinstance(cfg, dict):
         raise EyasError(f"{cfg_path} is not a JSON object")
     text_key, tcfg = _find_text_config(cfg, cfg_path)
-    text_type = tcfg.get("model_type") or cfg.get("model_type")
+    text_type = text_model_type(tcfg, cfg)
     if not text_type:
         raise EyasError(f"{cfg_path}: the text config has no model_type")
     H = int(tcfg["hidden_size"])
