@@ -74,7 +74,7 @@ def build(path: Path, dims: dict, device: torch.device) -> dict:
         del experts
         for k, v in packed.items():  # Kimi-K2.5's release keeps its scales in bf16
             weights[k] = (v.to(torch.bfloat16) if k.endswith("weight_scale") else v).cpu()
-    text_cfg = json.loads(cfg.to_json_string()) | {"quantization_config": tiny.KIMI_INT4_QUANTIZATION}
+    text_cfg = json.loads(cfg.to_json_string(use_diff=False)) | {"quantization_config": tiny.KIMI_INT4_QUANTIZATION}
     tiny.write_kimi_wrapper(path, weights, text_cfg, shards=dims["num_hidden_layers"])
     on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return {"what": "checkpoint", "path": str(path), "dims": dims, "safetensors_bytes": on_disk,

@@ -132,3 +132,21 @@ def test_packed_decoding_with_a_kv_cache_equals_the_dequantized_verifier(int4, n
         for (la, aa), (lb, ab) in zip(*runs):
             torch.testing.assert_close(la, lb, rtol=tol, atol=tol)
             torch.testing.assert_close(aa, ab, rtol=tol, atol=tol)
+
+
+def test_layers_offloaded_to_host_memory_get_the_asked_dtype(int4):
+    """transformers 5.17 loads a wrapped quantized checkpoint in its own dtype; eyas casts the parameters, and
+    those of layers a device_map leaves in host memory where accelerate's hooks hold them (here accelerate's
+    cpu_offload puts every layer there: the same hooks and weights map)."""
+    from accelerate import cpu_offload
+
+    from eyas.verifier import _cast_renamed_quantized
+
+    model = int4("llama_int4").reference()  # fp32, as the fixtures are stored
+    cpu_offload(model, execution_device="cpu")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    _cast_renamed_quantized(model, torch.bfloat16)
+    held = model.model.embed_tokens._hf_hook.weights_map.dataset  # what host memory holds, for every layer
+    assert {t.dtype for t in held.values()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert model(torch.tensor([[5, 6, 7]])).logits.dtype == torch.bfloat16

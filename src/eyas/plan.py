@@ -30,9 +30,10 @@ MEASURED = {
     # a lookup), 2 FLOP each per token: 0.212 GFLOP/token, so 116 TFLOP/s of useful work. A verifier's
     # forward is estimated at this rate over its *active* parameters (MoE: the experts a token is routed to).
     "verifier_flop_per_s": 548_028 * 2 * 106.2e6,
-    # "eyas extract", same run: extraction (capture, copy to host, write) at 0.33x the bare forward when the
-    # writers were the bound; used for the offline pass.
-    "extract_fraction": 0.33,
+    # "eyas extract", third session: extraction (capture, copy to host, write) at 0.92x the bare forward in the
+    # steady state, bf16 to RAM; a local disk took 1.24 GB/s with fsync, the bound when features are large.
+    "extract_fraction": 0.92,
+    "disk_bytes_per_s": 1.24e9,
     # "Training ... Ninth session": eyas train at Kimi-K2.5 draft dims (H 7168, vocab 163840, sequence 2048,
     # TTT 3), 33,820 tokens/s on one H200; "Seventh session", stage 23: at Llama-3.1-8B dims (H 4096), 64,910.
     "draft_tokens_per_s": 33_820,
@@ -302,17 +303,20 @@ def draft_tokens_per_s(hidden_size: int) -> float:
     return MEASURED["draft_tokens_per_s"] * (7168 / hidden_size) ** a
 
 
-def estimate_cost(mem: dict[str, Any], *, mode: str, tokens: int, epochs: int, gpus: int,
-                  verifier_gpus: int) -> dict[str, Any]:  # fmt: skip
+def estimate_cost(mem: dict[str, Any], *, mode: str, tokens: int, epochs: int, gpus: int, verifier_gpus: int,
+                  feature_bytes_per_token: int) -> dict[str, Any]:  # fmt: skip
     """Wall hours and GPU-hours at :data:`MEASURED`'s rates. A device_map'd verifier runs its layers one GPU at
-    a time, so it goes at one GPU's rate and holds ``verifier_gpus``; offline, the draft then trains data-parallel
-    on every GPU; online, it trains in the verifier's process, a step after each verifier forward."""
+    a time, so it goes at one GPU's rate and holds ``verifier_gpus``; offline, extraction goes at the slower of
+    the verifier and the disk, then the draft trains data-parallel on every GPU; online, the draft trains in the
+    verifier's process, a step after each verifier forward."""
     verifier_tps = MEASURED["verifier_flop_per_s"] / (2 * mem["active_backbone_parameters"])
     if mem["quantization"] == "compressed-tensors":
         verifier_tps /= MEASURED["packed_forward_slowdown"]
     draft_tps = draft_tokens_per_s(mem["hidden_size"])
     if mode == "offline":
-        verifier_h = tokens / (verifier_tps * MEASURED["extract_fraction"]) / 3600
+        extract_tps = min(verifier_tps * MEASURED["extract_fraction"],
+                          MEASURED["disk_bytes_per_s"] / feature_bytes_per_token)  # fmt: skip
+        verifier_h = tokens / extract_tps / 3600
         train_h = epochs * tokens / (draft_tps * gpus * (MEASURED["ddp_efficiency"] if gpus > 1 else 1.0)) / 3600
         hours = {"verifier": verifier_h * verifier_gpus, "draft": train_h * gpus}
     else:
@@ -362,8 +366,9 @@ def plan(
     disk_bytes = int(disk * 1e9) if disk is not None else shutil.disk_usage(".").free
     mode, why = choose_mode(tokens=tokens, feature_bytes=feature_bytes, disk_bytes=disk_bytes, needed=needed,
                             gpus=gpus, gpu_memory=gpu_memory)  # fmt: skip
+    feature_dtype = "bf16" if feature_bytes["bf16"] <= disk_bytes else "fp8"  # offline: eyas extract --dtype
     cost = estimate_cost(mem, mode=mode, tokens=tokens, epochs=epochs, gpus=gpus,
-                         verifier_gpus=needed if fits else gpus)  # fmt: skip
+                         verifier_gpus=needed if fits else gpus, feature_bytes_per_token=per_token[feature_dtype])
     out = {
         **{k: mem[k] for k in ("path", "text_model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                 "quantization", "source", "parameters", "active_backbone_parameters")},
@@ -372,7 +377,8 @@ def plan(
         "gpus_needed_bf16": len(placed_bf16) if placed_bf16 else None, "verifier_fits": fits,
         "split_bytes": split(items, needed, usable) if fits else None,
         "feature_bytes_per_token": per_token, "tokens": tokens, "feature_bytes": feature_bytes,
-        "disk_bytes": disk_bytes, "mode": mode, "why": why, "epochs": epochs, **cost, "measured": MEASURED,
+        "disk_bytes": disk_bytes, "mode": mode, "why": why,
+        "feature_dtype": feature_dtype if mode == "offline" else None, "epochs": epochs, **cost, "measured": MEASURED,
     }  # fmt: skip
     if json_out:
         print(json.dumps(out, indent=2))

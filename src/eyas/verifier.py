@@ -755,11 +755,22 @@ def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
     tensor of a pre-quantized checkpoint whose key it renames (a wrapper's ``language_model.`` prefix) in the
     checkpoint's own dtype (``core_model_loading``: ``_dtype = None`` for renamed keys), so a wrapped int4
     verifier came out in fp32 when asked for bf16; 5.24 casts them. The model's
-    ``_keep_in_fp32_modules_strict`` stay in fp32, as transformers keeps them."""
+    ``_keep_in_fp32_modules_strict`` stay in fp32, as transformers keeps them. Layers offloaded to host memory
+    (accelerate's ``OffloadedWeightsLoader`` behind each hook) are cast there, where they live."""
     keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    cast = lambda name, t: t.is_floating_point() and t.dtype != dtype and not any(k in name for k in keep)  # noqa: E731
+    names = set()
     for name, p in model.named_parameters():
-        if p.is_floating_point() and p.device.type != "meta" and p.dtype != dtype and not any(k in name for k in keep):
+        names.add(name)
+        if cast(name, p):  # on meta too: accelerate gives an offloaded tensor its meta parameter's dtype
             p.data = p.data.to(dtype)
+    for module in model.modules():  # layers a device_map left in host memory: accelerate's hooks hold their tensors
+        loader = getattr(getattr(getattr(module, "_hf_hook", None), "weights_map", None), "dataset", None)
+        held = loader if isinstance(loader, dict) else getattr(loader, "state_dict", None)
+        if isinstance(held, dict):
+            for name, t in held.items():
+                if name in names and cast(name, t):
+                    held[name] = t.to(dtype)
 
 
 # --------------------------------------------------------------------------- tokenizer and identity
