@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import tiny
-from eyas.packed import PackedExperts, PackedLinear, dense_bytes, resident_bytes
+from eyas.packed import PackedExperts, PackedLinear, resident_bytes
 from eyas.verifier import HiddenStateCapture, build_text_model, forward_hidden_states, resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,7 +80,6 @@ def test_kimi_proportioned_int4_verifier_is_at_most_035_of_its_bf16_size(int4):
     info = resolve(t.path)
     bf16 = sum(p.numel() * 2 for p in t.reference().parameters())  # the dense weights, independently of eyas
     model = build_text_model(info, dtype=torch.bfloat16)
-    assert dense_bytes(model) - bf16 == sum(b.numel() * 2 for b in model.buffers())
     assert resident_bytes(model)["cpu"] <= PACKED_RATIO * bf16
     dequantized = build_text_model(info, dtype=torch.bfloat16, packed=False)
     assert resident_bytes(dequantized)["cpu"] > 2 * PACKED_RATIO * bf16

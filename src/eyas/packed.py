@@ -27,8 +27,9 @@ So :func:`register` adds one quantizer to transformers through its documented ex
    ``weight_scale``, ``weight_shape``), as transformers does;
 3. drops the converters that would merge (and so dequantize) the per-expert tensors;
 4. turns each compressed Linear into a :class:`PackedLinear`, whose forward decompresses its weight with
-   compressed-tensors' own compressor for that one matmul (no int4 kernel is used: none ships in torch for
-   this layout on every device), and removes the whole-model decompression hook.
+   compressed-tensors' own compressor for that one matmul, and removes the whole-model decompression hook.
+   No int4 matmul kernel is used: torch's (``_weight_int4pack_mm``, CUDA) wants its own tile layout and
+   zero points, a conversion at load that is left for when the decompression's cost is measured.
 
 Only the experts a token is routed to are decompressed in a forward. Under a ``device_map`` with CPU offload,
 accelerate's hooks move the packed tensors to the GPU, a quarter of the dense bytes.
@@ -256,21 +257,3 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
         seen.add(key)
         out[str(t.device)] = out.get(str(t.device), 0) + storage.nbytes()
     return out
-
-
-def dense_bytes(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> int:
-    """What the model's floating-point weights would hold dense in ``dtype``: a packed Linear counts its
-    ``weight_shape``, its scales and packed ints not at all; integer buffers count as they are."""
-    total, seen = 0, set()
-    size = torch.tensor([], dtype=dtype).element_size()
-    for module in model.modules():
-        for name, t in chain(module._parameters.items(), module._buffers.items()):
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            if isinstance(module, PackedLinear) and name != "bias":
-                if name == "weight_shape":
-                    total += int(torch.Size(module._shape or t.tolist()).numel()) * size
-                continue
-            total += t.numel() * (size if t.is_floating_point() else t.element_size())
-    return total
