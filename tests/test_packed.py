@@ -149,3 +149,25 @@ def test_layers_offloaded_to_host_memory_get_the_asked_dtype(int4):
     assert {t.dtype for t in held.values()} == {torch.bfloat16}
     with torch.no_grad():
         assert model(torch.tensor([[5, 6, 7]])).logits.dtype == torch.bfloat16
+
+
+def test_experts_in_another_layout_are_refused_with_the_way_out():
+    """Fused experts eyas cannot compute per expert (a bias, as GPT-OSS has) are refused by name, before any
+    weight loads, instead of silently computing something else."""
+    from eyas.errors import EyasError
+    from eyas.packed import unfuse_experts
+
+    class BiasedExperts(torch.nn.Module):
+        has_bias = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 16, 8))
+            self.down_proj = torch.nn.Parameter(torch.zeros(4, 8, 8))
+            self.act_fn = torch.nn.SiLU()
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = BiasedExperts()
+    with pytest.raises(EyasError, match=r"mlp\.experts \(BiasedExperts\).*packed=False"):
+        unfuse_experts(model)

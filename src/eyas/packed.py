@@ -46,6 +46,7 @@ from torch import nn
 #: The quant_method eyas writes into the text config it loads, so transformers picks :class:`PackedQuantizer`.
 METHOD = "eyas-packed-compressed-tensors"
 
+
 def packed_quantization_config(quantization_config: dict[str, Any], *, unfuse_experts: bool) -> dict[str, Any]:
     """The checkpoint's compressed-tensors ``quantization_config`` redirected to eyas' quantizer.
 
@@ -232,7 +233,8 @@ def unfuse_experts(model: nn.Module) -> int:
     for name, module in targets:
         if not PackedExperts.replaces(module):
             raise EyasError(f"the MoE experts {name} ({type(module).__name__}) are not in the gate/up/down layout "
-                            "eyas keeps packed; load this verifier dequantized instead")  # fmt: skip
+                            "eyas keeps packed (concatenated gate and up, no bias, not transposed); load this "
+                            "verifier dequantized: build_text_model(info, packed=False)")  # fmt: skip
         parent, _, child = name.rpartition(".")
         with torch.device("meta"):
             model.get_submodule(parent).register_module(child, PackedExperts(module))

@@ -375,13 +375,7 @@ def resolve(path: str | os.PathLike) -> VerifierInfo:
     if gguf_name:
         return _resolve_gguf(ckpt, gguf_name)
     cfg_path = ckpt / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{cfg_path} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise EyasError(f"{cfg_path} is not a JSON object")
-    text_key, tcfg = _find_text_config(cfg, cfg_path)
+    cfg, text_key, tcfg = read_config(ckpt)
     text_type = text_model_type(tcfg, cfg)
     if not text_type:
         raise EyasError(f"{cfg_path}: the text config has no model_type")
