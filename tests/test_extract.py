@@ -374,8 +374,8 @@ def test_fp8_halves_the_bytes_and_stays_close(make_tiny, tmp_path):
 def test_int4_verifier_matches_dequantized_reference(tmp_path, capsys, name):
     """compressed-tensors int4 (pack-quantized, group 32): every Linear of a Llama, or, as in Kimi-K2.5's int4
     release, the routed experts of a Kimi-like wrapper (config inside text_config, language_model.* keys). eyas
-    inspect reports it; extraction on CPU (transformers dequantizes at load) matches a reference model built
-    from independently dequantized weights."""
+    inspect reports it; extraction on CPU (the weights kept packed, decompressed per matmul) matches a reference
+    model built from independently dequantized weights."""
     build = {"llama_int4": tiny.llama_int4, "kimi_int4": lambda p: tiny.kimi_like(p, int4=True)}[name]
     t = build(tmp_path / name)
     cfg = json.loads((t.path / "config.json").read_text())

@@ -198,11 +198,27 @@ def test_unknown_text_model_is_not_runnable(make_tiny, tmp_path):
     d = _copy(make_tiny, "llama", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "mystery"
+    cfg.pop("architectures")
     (d / "config.json").write_text(json.dumps(cfg))
     info = resolve(d)
     assert not info.runnable and "mystery" in info.reasons[0]
     with pytest.raises(EyasError, match="cannot run"):
         build_text_model(info)
+
+
+def test_text_model_type_transformers_does_not_know_falls_back_to_its_architectures(make_tiny, tmp_path):
+    """A Kimi-K2 text config names itself `kimi_k2` (remote code) and `DeepseekV3ForCausalLM`: eyas runs it as
+    transformers' DeepseekV3, and computes what the reference computes."""
+    t = make_tiny("kimi_like")
+    d = _copy(make_tiny, "kimi_like", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"] |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    info = resolve(d)
+    assert info.text_model_type == "deepseek_v3" and info.runnable
+    ids = torch.tensor([[5, 9, 17, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(build_text_model(info)(ids).logits, t.reference()(ids).logits)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "deepseek_v3", "kimi_like"])

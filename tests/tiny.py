@@ -195,8 +195,8 @@ def _deepseek_config(**over: Any):
             n_group=1,
             topk_group=1,
             tie_word_embeddings=False,
-            **over,
         )
+        | over
     )
 
 
@@ -217,7 +217,7 @@ raise RuntimeError("eyas imported checkpoint code from " + __file__)
 """
 
 
-def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False) -> Tiny:
+def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False, **text_config: Any) -> Tiny:
     """A Kimi-K2.5-like wrapper: unknown top-level model_type, a deepseek_v3 ``text_config``, weights under
     ``language_model.model.*`` / ``language_model.lm_head.*`` beside a vision tower, split over shards with
     an index, and an ``auto_map`` naming modules whose import fails (and leaves a sentinel).
@@ -225,12 +225,13 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False)
     With ``int4``, laid out as Kimi-K2.5's int4 release: every routed expert's ``gate/up/down_proj`` is
     compressed-tensors ``pack-quantized`` int4 (group 32; ``weight_packed``, ``weight_scale``, ``weight_shape``
     per expert), everything else stays dense, and ``text_config.quantization_config`` carries Kimi's ignore
-    list. The reference then holds the dequantized experts, loaded by transformers from a dense copy."""
+    list. The reference then holds the dequantized experts, loaded by transformers from a dense copy.
+    ``text_config`` overrides DeepseekV3 config values (more or wider experts, say)."""
     import tempfile
 
     from transformers import DeepseekV3ForCausalLM
 
-    cfg = _deepseek_config()
+    cfg = _deepseek_config(**text_config)
     model = _build(cfg, DeepseekV3ForCausalLM, seed)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,11 +244,21 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False)
             ref = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)  # fuses experts its own way
             sd = {k: v.clone() for k, v in ref.state_dict().items()}
             text_cfg["quantization_config"] = KIMI_INT4_QUANTIZATION
-    weights = {f"language_model.{k}": v for k, v in on_disk.items()}
+    write_kimi_wrapper(path, on_disk, text_cfg, shards=shards, seed=seed)
+    return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
+
+
+def write_kimi_wrapper(path: Path, text_weights: dict[str, torch.Tensor], text_cfg: dict[str, Any], *,
+                       shards: int = 3, seed: int = 5) -> None:  # fmt: skip
+    """Write a Kimi-K2.5-like checkpoint dir around a text model's weights and config: the weights under
+    ``language_model.`` beside a vision tower, split over ``shards`` files with an index, the wrapper config
+    (``text_config`` inside, an ``auto_map`` to remote modules whose import fails) and a tokenizer."""
+    weights = {f"language_model.{k}": v for k, v in text_weights.items()}
     g = torch.Generator().manual_seed(seed)
+    H = int(text_cfg["hidden_size"])
     weights["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 2, generator=g)
     weights["vision_tower.encoder.layers.0.norm.weight"] = torch.randn(32, generator=g)
-    weights["multi_modal_projector.linear_1.weight"] = torch.randn(HIDDEN, 32, generator=g)
+    weights["multi_modal_projector.linear_1.weight"] = torch.randn(H, 32, generator=g)
     path.mkdir(parents=True, exist_ok=True)
     keys = sorted(weights)
     weight_map = {}
@@ -277,7 +288,6 @@ def kimi_like(path: Path, *, seed: int = 5, shards: int = 3, int4: bool = False)
     for mod in ("configuration_kimi_k25.py", "modeling_kimi_k25.py"):
         (path / mod).write_text(_REMOTE_MODULE.format(sentinel=REMOTE_SENTINEL))
     make_tokenizer().save_pretrained(path)
-    return Tiny(path, cfg, DeepseekV3ForCausalLM, sd)
 
 
 BUILDERS: dict[str, Callable[..., Tiny]] = {
@@ -400,23 +410,33 @@ def _compress(model: torch.nn.Module):
     return compressor
 
 
+def int4_pack(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Quantize each ``[out, in]`` weight to int4 (group 32, symmetric) and pack it with compressed-tensors, on
+    the weights' device, all in one pass (one holder module with a Linear per weight). Returns the packed
+    tensors (``<key without "weight">weight_packed`` / ``weight_scale`` / ``weight_shape``) and the dequantized
+    weights per key."""
+    keys = list(weights)
+    holder = torch.nn.ModuleList(torch.nn.Linear(weights[k].shape[1], weights[k].shape[0], bias=False,
+                                                 device=weights[k].device) for k in keys)  # fmt: skip
+    for linear, key in zip(holder, keys):
+        linear.weight.data.copy_(weights[key])
+    dequantized = _int4_quantize(holder, ignore=[])
+    _compress(holder)
+    packed = {}
+    for i, key in enumerate(keys):
+        base = key.removesuffix("weight")
+        packed.update({base + k: v.clone() for k, v in holder[i].state_dict().items()})
+    return packed, {key: dequantized[f"{i}.weight"] for i, key in enumerate(keys)}
+
+
 def _pack_routed_experts(on_disk: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Replace every routed expert weight (``...mlp.experts.N.{gate,up,down}_proj.weight``) by its packed int4
     tensors; also return the checkpoint with those weights dequantized instead (for the reference)."""
     import re
 
-    packed, dense = dict(on_disk), dict(on_disk)
-    for key, w in on_disk.items():
-        if not re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
-            continue
-        holder = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
-        holder[0].weight.data.copy_(w)
-        dense[key] = _int4_quantize(holder, ignore=[])["0.weight"]
-        _compress(holder)
-        del packed[key]
-        base = key.removesuffix("weight")
-        packed.update({base + k: v.clone() for k, v in holder[0].state_dict().items()})
-    return packed, dense
+    experts = {k: w for k, w in on_disk.items() if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k)}
+    packed, dequantized = int4_pack(experts)
+    return {**{k: v for k, v in on_disk.items() if k not in experts}, **packed}, {**on_disk, **dequantized}
 
 
 def llama_int4(path: Path, *, seed: int = 7) -> Tiny:

@@ -29,6 +29,8 @@ from eyas.errors import EyasError
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
     "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
                 ("path",), {}),
+    "plan": ("eyas.plan:plan", "from a verifier's config alone: its memory packed and in bf16, GPUs, feature bytes, "
+             "offline or online, GPU-hours", ("verifier",), {}),
     "regenerate": ("eyas.regenerate:regenerate", "answer a dataset's prompts with the verifier itself, for prepare "
                    "(resumable)", (), {}),
     "prepare": ("eyas.data:prepare", "tokenize conversations with the verifier's chat template and mask the "

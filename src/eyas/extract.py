@@ -45,7 +45,7 @@ import torch
 from eyas import features
 from eyas.errors import EyasError
 from eyas.features import FORMAT, NUM_STATES, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
-from eyas.verifier import HiddenStateCapture, varying_shape_attention
+from eyas.verifier import HiddenStateCapture, input_device, varying_shape_attention
 
 # Target shard size on disk. Rows are sorted by length and batched inside a window of shards, which must hold
 # many batches for little padding: 256 MiB shards, one per window, padded 32% of the forward's tokens on
@@ -288,7 +288,7 @@ class Extractor:
                  writer_threads: int | None = None) -> None:  # fmt: skip
         self.model = model
         self.backbone = model.base_model  # the decoder stack: `model.model` for every *ForCausalLM
-        self.device = self.backbone.get_input_embeddings().weight.device
+        self.device = input_device(model)
         self.layer_ids = layer_ids
         self.dtype = dtype
         self.batch_tokens = batch_tokens

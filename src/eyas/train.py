@@ -774,6 +774,7 @@ def train(
     full_vocab_accuracy: bool = True,
     dist: Literal["ddp", "fsdp"] = "ddp",
     device: str | None = None,
+    device_map: str | None = None,
     compile: bool | None = None,
     gradient_checkpointing: bool = False,
     working_weights: bool | None = None,
@@ -829,6 +830,8 @@ def train(
             without it accuracy is within the draft vocab and overstates tau.
         dist: under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).
         device: cpu, cuda or cuda:N (default: cuda when there is one).
+        device_map: with --online, spread the verifier over the GPUs and host memory as transformers places it
+            ('auto'; a dict in Python) while the draft trains on --device; one process only.
         compile: torch.compile the draft layer and the loss (default: on CUDA).
         gradient_checkpointing: recompute each TTT step's layer in backward: far less activation memory (long
             sequences, big drafts) for about a third more layer compute.
@@ -897,6 +900,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
         raise EyasError(f"--loss-chunk-tokens must be >= 1 (got {a['loss_chunk_tokens']}); the default is {CHUNK_TOKENS}")
 
     # ---- inputs, all checked before anything runs
+    if a["device_map"] is not None and (not a["online"] or d.active):
+        raise EyasError("--device-map spreads the verifier of an --online run over the GPUs of one process; it "
+                        "needs --online and no torchrun")  # fmt: skip
     if a["online"]:
         from eyas.datasets import prepared_verifier
 
@@ -1033,7 +1039,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
         compiled = a["compile"] if a["compile"] is not None else cuda
         if compiled:
             compile_draft(draft)
-        verifier_model = build_text_model(info, dtype=compute_dtype, device=where) if a["online"] else None
+        verifier_model = build_text_model(info, dtype=compute_dtype, device=None if a["device_map"] else where,
+                                          device_map=a["device_map"]) if a["online"] else None  # fmt: skip
         archs = [] if info.gguf_file else \
             read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
         if not archs:  # a GGUF file has no config.json: name transformers' class for its model type

@@ -297,6 +297,24 @@ def _find_text_config(cfg: dict[str, Any], where: Path) -> tuple[str | None, dic
     )
 
 
+def text_model_type(text_config: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The transformers model_type of the text model: its config's own, or, when transformers has no causal-LM
+    class for that one, the type of the transformers class its ``architectures`` names (a Kimi-K2 text config
+    says ``kimi_k2`` and ``DeepseekV3ForCausalLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    own = text_config.get("model_type") or config.get("model_type")
+    if own is None or _known_causal_lm(own):
+        return own
+    for arch in text_config.get("architectures") or []:
+        types = [t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch]
+        # several types may share a class (DeepseekV3ForCausalLM): take the one the class is named after
+        named = [t for t in types if arch.lower().startswith(t.replace("_", ""))] or types
+        if named:
+            return named[0]
+    return own
+
+
 def _known_causal_lm(model_type: str) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -309,10 +327,38 @@ def transformers_text_config(info: VerifierInfo):
 
     if info.gguf_file:
         return AutoConfig.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
-    d = {k: v for k, v in info.text_config.items() if k not in ("model_type", "auto_map", "architectures")}
-    cfg = AutoConfig.for_model(info.text_model_type, **d)
+    return config_for(info.text_model_type, info.text_config)
+
+
+def config_for(text_model_type: str, text_config: dict[str, Any]):
+    """A transformers config object of ``text_model_type`` from a text config read as JSON."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in text_config.items() if k not in ("model_type", "auto_map", "architectures")}
+    cfg = AutoConfig.for_model(text_model_type, **d)
     cfg.architectures = None
     return cfg
+
+
+def read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """A checkpoint dir's ``config.json``, the key its text config sits under (None: the top level) and the text
+    config, read as JSON only (no weights needed: `eyas plan` works from a config alone)."""
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise EyasError(f"no config.json in {path}: not a Hugging Face checkpoint directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise EyasError(f"{cfg_path} is not a JSON object")
+    key, text = _find_text_config(cfg, cfg_path)
+    return cfg, key, text
+
+
+def weight_refs(path: str | os.PathLike) -> dict[str, TensorRef]:
+    """Every tensor of a checkpoint dir (its index and shard headers; no tensor data is read)."""
+    return _weight_map(Path(path))
 
 
 # --------------------------------------------------------------------------- resolve
@@ -329,14 +375,8 @@ def resolve(path: str | os.PathLike) -> VerifierInfo:
     if gguf_name:
         return _resolve_gguf(ckpt, gguf_name)
     cfg_path = ckpt / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{cfg_path} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise EyasError(f"{cfg_path} is not a JSON object")
-    text_key, tcfg = _find_text_config(cfg, cfg_path)
-    text_type = tcfg.get("model_type") or cfg.get("model_type")
+    cfg, text_key, tcfg = read_config(ckpt)
+    text_type = text_model_type(tcfg, cfg)
     if not text_type:
         raise EyasError(f"{cfg_path}: the text config has no model_type")
     H = int(tcfg["hidden_size"])
@@ -628,11 +668,19 @@ def key_mapping(info: VerifierInfo) -> dict[str, str] | None:
     return mapping or None
 
 
-def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
+def _text_quantization_config(info: VerifierInfo, *, packed: bool) -> dict[str, Any] | None:
+    """The checkpoint's quantization config for the text model. compressed-tensors weights stay packed
+    (:mod:`eyas.packed`) unless ``packed`` is false, when transformers dequantizes them while loading."""
     cfg = json.loads((info.checkpoint_dir / "config.json").read_text())
     q = copy.deepcopy(cfg.get("quantization_config") or info.text_config.get("quantization_config"))
     if q and q.get("quant_method") == "compressed-tensors":
-        q.update(_ct_dequantize_flag())
+        if packed:
+            from eyas.packed import packed_quantization_config
+
+            per_expert = any(_PER_EXPERT_KEY.search(k) for k in _weight_map(info.checkpoint_dir))
+            q = packed_quantization_config(q, unfuse_experts=per_expert)
+        else:
+            q.update(dequantize=True)
     if not q or info.weight_prefix == "model.":
         return q
     # compressed-tensors names modules by their checkpoint path; rename them as the keys are renamed.
@@ -643,17 +691,8 @@ def _text_quantization_config(info: VerifierInfo) -> dict[str, Any] | None:
     return q
 
 
-def _ct_dequantize_flag() -> dict[str, bool]:
-    """Ask transformers to dequantize compressed-tensors weights while loading. Otherwise it leaves them packed
-    and decompresses on the first forward of the *top* module (a hook on ``*ForCausalLM``), which a caller
-    running only the backbone (``model.model``, as extract does to skip the head) never triggers. Newer
-    transformers call the flag ``dequantize=True``, older ones ``run_compressed=False``."""
-    import inspect
-
-    from transformers import CompressedTensorsConfig
-
-    params = inspect.signature(CompressedTensorsConfig.__init__).parameters
-    return {"dequantize": True} if "dequantize" in params else {"run_compressed": False}
+#: A checkpoint key of one MoE expert stored on its own (``...mlp.experts.7.down_proj.weight_packed``).
+_PER_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 
 
 def build_text_model(
@@ -662,15 +701,21 @@ def build_text_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
+    max_memory: dict | None = None,
     attn_implementation: str | None = None,
+    packed: bool = True,
 ):
     """A transformers ``*ForCausalLM`` of the verifier's text backbone, in eval mode.
 
     Built from the text config with transformers' own class (never remote
     code); weights are remapped from the checkpoint's prefix. Quantized
     weights (compressed-tensors, GGUF) load through transformers' quantizer
-    integrations. Attention: transformers' default unless asked (SDPA where the class supports it, eager
-    otherwise: Gemma-2's softcapped attention has no SDPA path, and asking for SDPA there is an error).
+    integrations; compressed-tensors weights stay packed in memory and are
+    decompressed per matmul (:mod:`eyas.packed`), or, with ``packed=False``,
+    are dequantized while loading. ``device_map`` / ``max_memory`` place the
+    layers over GPUs and host memory as transformers' ``from_pretrained`` does.
+    Attention: transformers' default unless asked (SDPA where the class supports it, eager otherwise:
+    Gemma-2's softcapped attention has no SDPA path, and asking for SDPA there is an error).
     """
     from transformers import AutoModelForCausalLM
 
@@ -681,20 +726,47 @@ def build_text_model(
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
     with _quiet_transformers():
         if info.gguf_file:
             model = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file, **kwargs)
         else:
             cfg = transformers_text_config(info)
-            q = _text_quantization_config(info)
+            q = _text_quantization_config(info, packed=packed)
             if q:
                 cfg.quantization_config = q
             model = AutoModelForCausalLM.from_pretrained(
                 info.checkpoint_dir, config=cfg, key_mapping=key_mapping(info), **kwargs
             )
+            if q:
+                _cast_renamed_quantized(model, dtype)
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval()
+
+
+def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
+    """Give a quantized checkpoint's floating parameters the asked ``dtype``. transformers 5.17 loads every
+    tensor of a pre-quantized checkpoint whose key it renames (a wrapper's ``language_model.`` prefix) in the
+    checkpoint's own dtype (``core_model_loading``: ``_dtype = None`` for renamed keys), so a wrapped int4
+    verifier came out in fp32 when asked for bf16; 5.24 casts them. The model's
+    ``_keep_in_fp32_modules_strict`` stay in fp32, as transformers keeps them. Layers offloaded to host memory
+    (accelerate's ``OffloadedWeightsLoader`` behind each hook) are cast there, where they live."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    cast = lambda name, t: t.is_floating_point() and t.dtype != dtype and not any(k in name for k in keep)  # noqa: E731
+    names = set()
+    for name, p in model.named_parameters():
+        names.add(name)
+        if cast(name, p):  # on meta too: accelerate gives an offloaded tensor its meta parameter's dtype
+            p.data = p.data.to(dtype)
+    for module in model.modules():  # layers a device_map left in host memory: accelerate's hooks hold their tensors
+        loader = getattr(getattr(getattr(module, "_hf_hook", None), "weights_map", None), "dataset", None)
+        held = loader if isinstance(loader, dict) else getattr(loader, "state_dict", None)
+        if isinstance(held, dict):
+            for name, t in held.items():
+                if name in names and cast(name, t):
+                    held[name] = t.to(dtype)
 
 
 # --------------------------------------------------------------------------- tokenizer and identity
@@ -962,11 +1034,24 @@ class HiddenStateCapture:
         return torch.stack([p if device is None else p.to(device) for p in self._parts()], dim=-2)
 
 
+def input_device(model) -> torch.device:
+    """The device a verifier's forward takes its input ids on: its embedding's, or, when a ``device_map``
+    offloads the embedding to host memory, the GPU accelerate's hook runs it on."""
+    embed = model.get_input_embeddings()
+    hook = getattr(embed, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    return torch.device(device if device is not None else embed.weight.device)
+
+
 def forward_hidden_states(model, input_ids: torch.Tensor, *, layer_ids: list[int],
                           attention_mask: torch.Tensor | None = None,
                           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``."""
-    with torch.no_grad(), varying_shape_attention(input_ids.device), HiddenStateCapture(model, layer_ids) as cap:
-        model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-    parts = cap._parts()
+    """Run the verifier's backbone only (no head, no logits) and return ``(aux [B,T,3H], last_prenorm [B,T,H])``
+    on ``input_ids``' device. Under a ``device_map`` the inputs go to the verifier's first device and the states
+    come back from whichever GPU (or host-offloaded layer's GPU) produced them, so the draft may sit elsewhere."""
+    where = input_device(model)
+    mask = None if attention_mask is None else attention_mask.to(where)
+    with torch.no_grad(), varying_shape_attention(where), HiddenStateCapture(model, layer_ids) as cap:
+        model.base_model(input_ids=input_ids.to(where), attention_mask=mask, use_cache=False, **kwargs)
+    parts = [p.to(input_ids.device) for p in cap._parts()]
     return torch.cat(parts[:-1], dim=-1), parts[-1]
