@@ -76,3 +76,13 @@ def test_scored_positions_counts_prompts_and_padding(tmp_path, make_tiny):
     assert 0.3 < by_chunk[16]["scored_share"] < 0.5  # 18-20 of each 40-token document, packing padding aside
     assert by_chunk[16]["scored_share"] <= by_chunk[16]["loss_rows_share"] < 1.0
     assert by_chunk[1024]["loss_rows_share"] == 1.0  # 128 positions: one chunk either way
+
+
+def test_regenerate_throughput_smoke(tmp_path):
+    """bench/regenerate_throughput.py drives the engine and transformers' static-cache generate on the same
+    prompts; on the tiny greedy model both count the same tokens up to each answer's end of turn."""
+    rows = _json_lines([str(BENCH / "regenerate_throughput.py"), "--smoke"], tmp_path)
+    by = {r.get("method"): r for r in rows if "method" in r}
+    assert set(by) == {"engine", "hf-static"} and all("error" not in r for r in by.values()), rows
+    assert by["engine"]["tokens"] == by["hf-static"]["tokens"] > 0
+    assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
