@@ -367,7 +367,9 @@ class DraftCache:
     verification round, :meth:`truncate` drops rejected positions; accepted
     ones are then recomputed from the verifier's hidden states (as vLLM does),
     simply by running :meth:`Eagle3Draft.step` over them again. ``k``/``v``
-    hold every decoder layer's slots, ``[num_layers, B, kv, max_len, d]``.
+    hold every decoder layer's slots, ``[B, num_layers * kv, max_len, d]``:
+    layer ``i``'s heads are ``i*kv .. (i+1)*kv - 1``, so dim 2 is the position
+    whatever the layer count.
     """
 
     def __init__(self, *, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -376,14 +378,15 @@ class DraftCache:
         if attn_implementation == "flex":
             attn_implementation = "sdpa"  # decoding a few tokens: a dense mask is cheaper than a BlockMask
         self.impl = attn_implementation
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.num_kv_heads = num_kv_heads
+        shape = (batch_size, num_layers * num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2]
 
     def truncate(self, lengths: torch.Tensor | int) -> None:
         """Forget every position ``>= lengths`` (per row)."""
@@ -401,7 +404,8 @@ class DraftCache:
             raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
         B, _, T, _ = k.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        keys, values = self.k[layer], self.v[layer]  # [B, kv, S, d] views
+        heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
+        keys, values = self.k[:, heads], self.v[:, heads]  # [B, kv, S, d] views: writes land in the cache
         keys[rows, :, pos] = k.transpose(1, 2).to(keys.dtype)  # [B, T, kv, d] into slots
         values[rows, :, pos] = v.transpose(1, 2).to(values.dtype)
         self.valid[rows, pos] = True  # shared by the layers: every layer writes the same positions
