@@ -399,8 +399,9 @@ class DraftCache:
         """Write decoder layer ``layer``'s k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to
         every valid slot of that layer at or before each query's position."""
         pos = position_ids
-        # The bound check reads a device value; a compiled decoding loop sizes its cache itself and skips it.
-        if not torch.compiler.is_compiling() and int(pos.max()) >= self.max_len:
+        # The bound check reads a device value (once per step: every layer writes the same positions); a compiled
+        # decoding loop sizes its cache itself and skips it.
+        if layer == 0 and not torch.compiler.is_compiling() and int(pos.max()) >= self.max_len:
             raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
         B, _, T, _ = k.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
