@@ -7,9 +7,10 @@ number it returns comes from speculators' own classes and code paths.
 Usage: ``python speculators_worker.py JOBS.json`` where the file holds a list of jobs; each job's result is
 printed as one JSON line. Jobs:
 
-- ``{"cmd": "make", "out", "verifier", "draft_vocab_size", "layout": {...}, "sliding_window", "seed"}``:
-  build a tiny random draft with speculators' trainer factory (``Eagle3DraftModel.from_training_args``)
-  and save it with ``save_pretrained``.
+- ``{"cmd": "make", "out", "verifier", "draft_vocab_size", "layout": {...}, "sliding_window", "seed",
+  "arch", "num_layers"}``: build a tiny random draft with speculators' trainer factory
+  (``Eagle3DraftModel.from_training_args``) over a Llama or Qwen3 decoder config (its ``--draft-arch``) of
+  ``num_layers`` layers (its ``--num-layers``; default 1), and save it with ``save_pretrained``.
 - ``{"cmd": "convert", "eagle", "verifier", "out", "aux_layer_ids"}``: speculators' own EAGLE-3 converter.
 - ``{"cmd": "logits", "draft", "inputs", "out", "steps"}``: load a draft with
   ``Eagle3DraftModel.from_pretrained`` and record the draft logits of each TTT step (the output of its
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 
 def make(job: dict) -> dict:
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -38,15 +39,18 @@ def make(job: dict) -> dict:
     vcfg = AutoConfig.from_pretrained(job["verifier"])
     window = job.get("sliding_window")
     # The decoder config speculators' CLI builds (train/cli.py create_transformer_layer_config): the verifier's
-    # shape, one layer, sliding unless listed in --full-attention-indices.
-    layer_types = ["sliding_attention" if window else "full_attention"]
-    draft_layer = LlamaConfig(
+    # shape, --num-layers layers, sliding unless listed in --full-attention-indices, --draft-arch's class.
+    n = job.get("num_layers", 1)
+    layer_types = ["sliding_attention" if window else "full_attention"] * n
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[job.get("arch", "llama")]
+    draft_layer = config_class(
         vocab_size=vcfg.vocab_size, hidden_size=vcfg.hidden_size, intermediate_size=vcfg.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=vcfg.num_attention_heads,
+        num_hidden_layers=n, num_attention_heads=vcfg.num_attention_heads,
         num_key_value_heads=vcfg.num_key_value_heads, hidden_act=vcfg.hidden_act,
         max_position_embeddings=vcfg.max_position_embeddings, initializer_range=vcfg.initializer_range,
         rms_norm_eps=vcfg.rms_norm_eps, tie_word_embeddings=False, sliding_window=window or 2048,
         use_sliding_window=bool(window), layer_types=layer_types,
+        head_dim=vcfg.hidden_size // vcfg.num_attention_heads,
     )  # fmt: skip
     # A token-frequency table with ties and fewer distinct tokens than the draft vocab, so speculators'
     # tie-breaking and padding rules shape d2t/t2d (train/vocab_mapping.py).
@@ -113,6 +117,9 @@ def logits(job: dict) -> dict:
         "class": type(m).__name__,
         "attn": m._attn_impl,
         "layout": {k: getattr(c, k) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
+        "arch": c.transformer_layer_config.model_type,
+        "num_layers": len(m.layers),
+        "layer_classes": [type(layer).__name__ for layer in m.layers],
         "aux_layer_ids": c.eagle_aux_hidden_state_layer_ids,
         "draft_vocab_size": c.draft_vocab_size,
         "vocab_size": c.transformer_layer_config.vocab_size,

@@ -17,13 +17,14 @@ import tiny
 from eyas.checkpoint import load_draft, save_draft
 from eyas.cli import main
 from eyas.errors import EyasError
-from eyas.export import export
+from eyas.export import MIN_RELEASE, export
 from eyas.model import DraftConfig, Eagle3Draft
 from eyas.verifier import load_head_tensors, resolve
 
 LAYOUTS = {
     "eagle3": {},  # the plain EAGLE-3 layout every engine serves
     "speculators_default": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    "eagle31_qwen3_two_layers": {"fc_norm": True, "norm_output": True, "draft_arch": "qwen3", "num_hidden_layers": 2},
 }
 
 
@@ -82,13 +83,15 @@ VLLM_FIELDS = [
     ("norm_before_residual", lambda v, c: v is c.norm_before_residual,
      "algos.py:33-35 (a missing key means true); llama_eagle3.py:101-104"),
     ("norm_before_fc", lambda v, c: v is c.norm_before_fc, "algos.py:36; llama_eagle3.py:184-188, :223-229"),
-    ("fc_norm", lambda v, c: v is False, "algos.py:37; llama_eagle3.py:231-240"),
+    ("fc_norm", lambda v, c: v is c.fc_norm, "algos.py:37; llama_eagle3.py:231-240"),
     ("norm_output", lambda v, c: v is c.norm_output, "algos.py:38; llama_eagle3.py:252, :286"),
     ("eagle_aux_hidden_state_layer_ids", lambda v, c: v == c.aux_layer_ids,
      "algos.py:47-50 (copied as is); v1/worker/gpu_model_runner.py:5207 (captured with no shift)"),
-    ("transformer_layer_config.model_type", lambda v, c: v == "llama", "algos.py:39-46 (-> Eagle3LlamaForCausalLM)"),
+    ("transformer_layer_config.model_type", lambda v, c: v == c.draft_arch,
+     "algos.py:39-46 (llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM)"),
     ("transformer_layer_config.hidden_size", lambda v, c: v == c.hidden_size, "llama_eagle3.py:98, :194; llama.py:265"),
-    ("transformer_layer_config.num_hidden_layers", lambda v, c: v == 1, "llama_eagle3.py:206 (layers built)"),
+    ("transformer_layer_config.num_hidden_layers", lambda v, c: v == c.num_hidden_layers,
+     "llama_eagle3.py:206 (layers built; layer 0 reads 2H, later ones H)"),
     ("transformer_layer_config.vocab_size", lambda v, c: v == c.vocab_size,
      "llama_eagle3.py:174, :193 (embed_tokens rows: the verifier's vocab)"),
     ("transformer_layer_config.rms_norm_eps", lambda v, c: v == c.rms_norm_eps, "llama_eagle3.py:98, :226, :255"),
@@ -107,6 +110,7 @@ VLLM_FIELDS = [
 # (transformers_utils/config.py:360-367); layer_types would give the draft a sliding window (llama.py:186-204);
 # num_aux_hidden_states / eagle_config would size fc other than by our 3 ids (llama_eagle3.py:209-216);
 # a null target_hidden_size is skipped by vLLM (algos.py:31) but breaks SGLang's hasattr (llama_eagle3.py:151).
+# A Qwen3 layer config lists its layer_types instead, all full attention (qwen3_eagle3.py reads them).
 VLLM_ABSENT = ["model_type", "eagle_config", "target_hidden_size", "transformer_layer_config.layer_types",
                "transformer_layer_config.sliding_window", "transformer_layer_config.num_aux_hidden_states"]  # fmt: skip
 
@@ -121,6 +125,9 @@ def test_vllm_reads_every_field_and_resave_is_byte_identical(make_tiny, tmp_path
     for path, ok, where in VLLM_FIELDS:
         assert ok(get(conf, path), m.config), f"{path} = {get(conf, path)!r} is not what vLLM needs ({where})"
     for path in VLLM_ABSENT:
+        if path.endswith("layer_types") and m.config.draft_arch == "qwen3":
+            assert get(conf, path) == ["full_attention"] * m.config.num_hidden_layers
+            continue
         with pytest.raises((KeyError, IndexError)):
             get(conf, path)
     assert conf["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
@@ -145,7 +152,7 @@ SGLANG_FIELDS = [
     ("tie_word_embeddings", lambda v, c: v is False, ":303-304 (true ties lm_head to embed_tokens)"),
     ("vocab_size", lambda v, c: v == c.vocab_size, ":144-149 (embed_tokens)"),
     ("hidden_size", lambda v, c: v == c.hidden_size, ":86, :154, :163-167"),
-    ("num_hidden_layers", lambda v, c: v == 1, ":199-204"),
+    ("num_hidden_layers", lambda v, c: v == c.num_hidden_layers, ":199-204 (layer 0 reads 2H, later ones H)"),
     ("intermediate_size", lambda v, c: v == c.intermediate_size, ":77-84"),
     ("hidden_act", lambda v, c: v == c.hidden_act, ":82-84"),
     ("rms_norm_eps", lambda v, c: v == c.rms_norm_eps, ":86, :206"),
@@ -159,16 +166,20 @@ SGLANG_FIELDS = [
      "model_runner_components/spec_aux_hidden_state.py:185-196 reads it; models/llama.py:929-941 captures id+1"),
     ("eagle_config.use_aux_hidden_state", lambda v, c: v is True, "spec_aux_hidden_state.py:189-191"),
     ("norm_before_fc", lambda v, c: v is c.norm_before_fc, ":169-181 (input_norm)"),
-    ("fc_norm", lambda v, c: v is False, ":184-196"),
+    ("fc_norm", lambda v, c: v is c.fc_norm, ":184-196"),
     ("norm_output", lambda v, c: v is c.norm_output, ":207, :263-269"),
 ]  # fmt: skip
 SGLANG_ABSENT = ["target_hidden_size", "num_aux_hidden_states", "bias", "speculators_config", "layer_types"]
 
 
-@pytest.mark.parametrize("layout", ["eagle3", "norm_before_fc_and_output"])
+EAGLE_LAYOUTS = {"eagle3": {}, "norm_before_fc_and_output": {"norm_before_fc": True, "norm_output": True},
+                 "eagle31_two_layers": {"fc_norm": True, "norm_output": True, "num_hidden_layers": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", EAGLE_LAYOUTS)
 def test_eagle_export_has_what_sglang_reads_and_round_trips(make_tiny, tmp_path, layout):
     v = make_tiny("llama").path
-    flags = {} if layout == "eagle3" else {"norm_before_fc": True, "norm_output": True}
+    flags = EAGLE_LAYOUTS[layout]
     m = random_draft(v, aux_layer_ids=[1, 3, 6], **flags)  # non-default ids, so the shift is visible
     save(m, tmp_path / "trained", v)
     export(draft=str(tmp_path / "trained"), out=str(tmp_path / "sgl"), format="eagle", verifier=str(v))
@@ -181,8 +192,12 @@ def test_eagle_export_has_what_sglang_reads_and_round_trips(make_tiny, tmp_path,
     w = load_file(str(tmp_path / "sgl" / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for k, t in w.items() if k not in ("d2t", "t2d"))
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
-    assert not any(k.startswith("layers.") for k in w) and "midlayer.self_attn.q_proj.weight" in w
-    assert "embed_tokens.weight" not in w and ("input_norm.weight" in w) == bool(flags)
+    assert not any(k.startswith("layers.0.") for k in w) and "midlayer.self_attn.q_proj.weight" in w
+    assert "embed_tokens.weight" not in w and ("input_norm.weight" in w) == flags.get("norm_before_fc", False)
+    assert ("fc_norm.2.weight" in w) == flags.get("fc_norm", False)
+    if flags.get("num_hidden_layers"):  # a later layer's input norm under SGLang's name and vLLM's, one value
+        assert w["layers.1.self_attn.q_proj.weight"].shape[1] == tiny.HIDDEN and "midlayer.hidden_norm.weight" in w
+        assert torch.equal(w["layers.1.hidden_norm.weight"], w["layers.1.input_layernorm.weight"])
     # SGLang's hot-token ids (d2t + arange, llama_eagle3.py:350-353) are the draft's target ids
     assert torch.equal(w["d2t"] + torch.arange(len(w["d2t"])), m.draft_to_target(torch.arange(96)))
     # back to the native layout: the very bytes eyas train wrote; and eagle -> eagle is stable too
@@ -210,6 +225,79 @@ def test_refuses_what_sglang_cannot_run(make_tiny, tmp_path):
     export(draft=str(tmp_path / "last"), out=str(tmp_path / "vllm"), verifier=str(v))
     with pytest.raises(EyasError, match="aux layer 8 is the verifier's final hidden state, which SGLang never"):
         export(draft=str(tmp_path / "last"), out=str(tmp_path / "o"), format="eagle", verifier=str(v))
+
+
+# (layout, vLLM's first release that serves it as trained, SGLang's): read in the published wheels, see
+# eyas.export.MIN_RELEASE. None: any release that serves EAGLE-3; "never": refused.
+REQUIRES = [
+    ({}, None, None),
+    ({"norm_before_residual": True}, None, "never"),
+    ({"norm_before_fc": True}, "0.19.0", "0.5.17"),
+    ({"norm_before_fc": True, "norm_output": True}, "0.25.0", "0.5.17"),
+    ({"fc_norm": True}, "0.25.0", "0.5.12"),
+    ({"num_hidden_layers": 2}, "0.11.1", "0.5.12"),
+    ({"draft_arch": "qwen3"}, "0.24.0", "never"),
+]
+
+
+@pytest.mark.parametrize(("layout", "vllm", "sglang"), REQUIRES, ids=lambda x: None if isinstance(x, dict) else str(x))
+def test_export_records_the_engine_release_each_variant_needs(make_tiny, tmp_path, capsys, layout, vllm, sglang):
+    """Both layouts record in their manifest the oldest engine release that runs the draft as trained (older ones
+    ignore norm_before_fc / norm_output / fc_norm weights or flags without a word) and say it; SGLang refuses
+    what none of its releases runs, naming the setting."""
+    v = make_tiny("llama").path
+    save(random_draft(v, **layout), tmp_path / "d", v)
+    for fmt, engine, want in (("speculators", "vLLM", vllm), ("eagle", "SGLang", sglang)):
+        out = tmp_path / fmt
+        if want == "never":
+            bad = next(f"{k}=true" if val is True else f"{k}={val}" for k, val in layout.items())
+            with pytest.raises(EyasError, match=rf"{bad}, but no {engine} release runs this draft as trained"):
+                export(draft=str(tmp_path / "d"), out=str(out), format=fmt)
+            assert not out.exists() or not (out / "config.json").exists()
+            continue
+        capsys.readouterr()
+        export(draft=str(tmp_path / "d"), out=str(out), format=fmt)
+        req = json.loads((out / "manifest.json").read_text())["outputs"]["requires"]
+        assert req["engine"] == engine and req["min_version"] == want
+        assert (f"needs {engine} >= {want}" in capsys.readouterr().out) == bool(want)
+        named = {"num_hidden_layers>1" if k == "num_hidden_layers" else k if val is True else f"{k}={val}"
+                 for k, val in layout.items() if k != "norm_before_residual"}  # fmt: skip
+        assert req["variants"] == {k: MIN_RELEASE[engine][k] for k in named}
+
+
+def test_eagle_multi_layer_import_guards(make_tiny, tmp_path):
+    """A later layer's input norm: SGLang reads hidden_norm, vLLM input_layernorm. An EAGLE checkpoint whose two
+    disagree, or that has only vLLM's, would run differently in SGLang: refused. SGLang's older names of the
+    per-aux norms (aux_norm_low/mid/high) import as fc_norm.0/1/2."""
+    v = make_tiny("llama").path
+    m = random_draft(v, num_hidden_layers=2, fc_norm=True)
+    save(m, tmp_path / "d", v)
+    export(draft=str(tmp_path / "d"), out=str(tmp_path / "sgl"), format="eagle")
+
+    def variant(name, fn):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes((tmp_path / "sgl" / "config.json").read_bytes())
+        sd = load_file(str(tmp_path / "sgl" / "model.safetensors"))
+        fn(sd)
+        save_file(sd, str(tmp_path / name / "model.safetensors"))
+        return str(tmp_path / name)
+
+    legacy = variant("legacy", lambda sd: [sd.update({new: sd.pop(f"fc_norm.{i}.weight")})
+                                           for i, new in enumerate(("aux_norm_low.weight", "aux_norm_mid.weight",
+                                                                    "aux_norm_high.weight"))])  # fmt: skip
+    export(draft=legacy, out=str(tmp_path / "back"), from_format="eagle", verifier=str(v))
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (tmp_path / "d" / "model.safetensors").read_bytes()
+    only_vllm = variant("only_vllm", lambda sd: sd.pop("layers.1.hidden_norm.weight"))
+    with pytest.raises(EyasError, match=r"has 'layers.1.input_layernorm.weight' but no 'layers.1.hidden_norm.weight'"):
+        export(draft=only_vllm, out=str(tmp_path / "x"), from_format="eagle", verifier=str(v))
+    differ = variant("differ", lambda sd: sd["layers.1.hidden_norm.weight"].mul_(2))
+    with pytest.raises(EyasError, match=r"'layers.1.input_layernorm.weight' and 'layers.1.hidden_norm.weight' differ"):
+        export(draft=differ, out=str(tmp_path / "x"), from_format="eagle", verifier=str(v))
+    only_sglang = variant("only_sglang", lambda sd: sd.pop("layers.1.input_layernorm.weight"))
+    export(draft=only_sglang, out=str(tmp_path / "ok"), from_format="eagle", verifier=str(v))
+    ids, aux = torch.randint(0, tiny.VOCAB, (1, 9)), torch.randn(1, 9, 3 * tiny.HIDDEN)
+    for a, b in zip(logits(m, ids, aux), logits(load_draft(tmp_path / "ok", verifier=v), ids, aux)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _specforge_dir(path: Path, m: Eagle3Draft, *, bin_file: bool, ids_in_config: bool) -> Path:
@@ -343,14 +431,14 @@ def test_bad_input_names_the_key_and_file(make_tiny, tmp_path):
     fails(tmp_path / "good", r"good/model.safetensors: d2t and t2d disagree")
     _corrupt(tmp_path / "good", lambda sd: sd["d2t"].__setitem__(0, -1))
     fails(tmp_path / "good", "d2t maps draft ids outside the verifier vocab")
-    # the wrong --from, a missing weights file, an unsupported fc_norm
+    # the wrong --from, a missing weights file, two aux norms that exclude each other
     fails(tmp_path / "nod2t", "is a speculators checkpoint, not an EAGLE one: use --from speculators",
           from_format="eagle")  # fmt: skip
     (tmp_path / "nod2t" / "model.safetensors").unlink()
     fails(tmp_path / "nod2t", r"nod2t has no model.safetensors")
     conf = json.loads((tmp_path / "not2d" / "config.json").read_text())
-    (tmp_path / "not2d" / "config.json").write_text(json.dumps({**conf, "fc_norm": True}))
-    fails(tmp_path / "not2d", r"not2d/config.json: fc_norm .* is not supported", from_format="eagle")
+    (tmp_path / "not2d" / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_before_fc": True}))
+    fails(tmp_path / "not2d", r"not2d/config.json: norm_before_fc and fc_norm exclude each other", from_format="eagle")
     assert not (tmp_path / "out" / "config.json").exists()
 
 

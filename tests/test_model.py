@@ -8,6 +8,18 @@ import torch
 from eyas.model import DraftCache, DraftConfig, Eagle3Draft, TTTContext, _positions_within_docs
 
 H, V, N = 64, 512, 256
+# Every layout variant vLLM and SGLang serve, one at a time, and all the ones that combine at once.
+VARIANTS = {
+    "eagle3": {},
+    "norm_before_residual": {"norm_before_residual": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True},
+    "norm_output": {"norm_output": True},
+    "qwen3": {"draft_arch": "qwen3"},
+    "two_layers": {"num_hidden_layers": 2},
+    "all": {"norm_before_residual": True, "fc_norm": True, "norm_output": True, "draft_arch": "qwen3",
+            "num_hidden_layers": 3},
+}
 
 
 def _config(**over) -> DraftConfig:
@@ -48,11 +60,11 @@ def _inference_logits(model: Eagle3Draft, ids, aux, t: int, k: int, offset: int 
     return out
 
 
-@pytest.mark.parametrize("layout", [{}, {"norm_before_residual": True}, {"norm_before_fc": True}, {"norm_output": True}])
-def test_ttt_equals_inference(layout):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ttt_equals_inference(variant):
     torch.manual_seed(1)
     T, steps = 20, 4
-    model = _draft(**layout)
+    model = _draft(**VARIANTS[variant])
     ids = torch.randint(0, V, (1, T))
     aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
     with torch.no_grad():
@@ -63,10 +75,11 @@ def test_ttt_equals_inference(layout):
                 torch.testing.assert_close(ttt[k][0, t], inf[k][0], rtol=1e-9, atol=1e-9, msg=f"step {k} t {t}")
 
 
-def test_ttt_packed_documents_equal_separate_inference():
+@pytest.mark.parametrize("variant", ["eagle3", "all"])
+def test_ttt_packed_documents_equal_separate_inference(variant):
     torch.manual_seed(2)
     T, steps = 24, 3
-    model = _draft(seed=3)
+    model = _draft(seed=3, **VARIANTS[variant])
     ids = torch.randint(0, V, (1, T))
     aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
     doc_ids = torch.tensor([[0] * 10 + [1] * 9 + [-1] * 5])  # two documents and padding
@@ -76,6 +89,21 @@ def test_ttt_packed_documents_equal_separate_inference():
             inf = _inference_logits(model, ids, aux, t, steps - 1, offset=offset)
             for k in range(steps):
                 torch.testing.assert_close(ttt[k][0, t], inf[k][0], rtol=1e-9, atol=1e-9)
+
+
+def test_variant_modules_and_what_excludes_what():
+    """Each variant's modules, under the names vLLM loads: later layers read H (no embeddings, no hidden_norm),
+    a Qwen3 layer norms q and k per head, fc_norm is one norm per aux state; two aux norms cannot combine."""
+    sd = _draft(**VARIANTS["all"]).state_dict()
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 2 * H)
+    assert sd["layers.2.self_attn.q_proj.weight"].shape == (4 * 16, H) and "layers.2.hidden_norm.weight" not in sd
+    assert sd["layers.1.self_attn.k_norm.weight"].shape == (16,) and "layers.3.mlp.up_proj.weight" not in sd
+    assert [sd[f"fc_norm.{i}.weight"].shape for i in range(3)] == [(H,)] * 3 and "input_norm.weight" not in sd
+    assert not any("q_norm" in k or "fc_norm" in k or k.startswith("layers.1") for k in _draft().state_dict())
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm exclude each other"):
+        _config(norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ValueError, match="num_hidden_layers must be at least 1"):
+        _config(num_hidden_layers=0)
 
 
 def test_positions_within_docs():
@@ -105,8 +133,8 @@ def test_sdpa_equals_eager_forward_and_grad():
     assert "embed_tokens.weight" not in results["sdpa"][1]  # frozen
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl):
+@pytest.mark.parametrize(("impl", "variant"), [("sdpa", "eagle3"), ("eager", "eagle3"), ("sdpa", "all")])
+def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl, variant):
     """Recomputing each TTT step in backward (its attention re-run over the earlier steps' keys) changes nothing:
     outputs and every gradient equal the stored-activation run's, in float64."""
     torch.manual_seed(7)
@@ -116,7 +144,7 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl):
     doc_ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 12 + [-1] * 4])
     results = {}
     for ckpt in (False, True):
-        model = _draft(seed=8, impl=impl).train()
+        model = _draft(seed=8, impl=impl, **VARIANTS[variant]).train()
         model.gradient_checkpointing = ckpt
         outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids)
         loss = sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
@@ -165,9 +193,10 @@ def test_context_builds_its_own_mask():
     assert cache.impl == "sdpa"
 
 
-def test_cache_truncate_rolls_back():
+@pytest.mark.parametrize("variant", ["eagle3", "all"])
+def test_cache_truncate_rolls_back(variant):
     torch.manual_seed(6)
-    model = _draft(seed=6)
+    model = _draft(seed=6, **VARIANTS[variant])
     ids = torch.randint(0, V, (1, 12))
     aux = torch.randn(1, 12, 3 * H, dtype=torch.float64)
     with torch.no_grad():
@@ -220,7 +249,8 @@ def test_rope_matches_transformers_and_stays_fp32():
         torch.testing.assert_close(cos, ref(x, pos)[0], rtol=0, atol=0)  # frequencies were not rounded
 
 
-def test_compiled_draft_equals_eager_on_cpu():
+@pytest.mark.parametrize("variant", ["eagle3", "all"])
+def test_compiled_draft_equals_eager_on_cpu(variant):
     """compile_draft (each TTT step's layer, attention included, and final norm as one compiled region) computes
     what the eager draft computes, forward and gradients, with and without gradient checkpointing; a new batch's
     documents (a new context, mask and key lists) reuse the compiled graphs instead of recompiling."""
@@ -239,7 +269,7 @@ def test_compiled_draft_equals_eager_on_cpu():
         model.zero_grad(set_to_none=True)
         return [o.detach() for o in outs], grads
 
-    eager, compiled = _draft(seed=12).float(), _draft(seed=12).float()
+    eager, compiled = _draft(seed=12, **VARIANTS[variant]).float(), _draft(seed=12, **VARIANTS[variant]).float()
     compile_draft(compiled)
     for i, doc in enumerate(docs):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):

@@ -1,5 +1,6 @@
 """speculators 0.9.0 as the judge: its own classes load eyas checkpoints and compute the same draft logits,
-and checkpoints its own code saves load in eyas with the same logits (fp32, CPU, within 1e-4).
+and checkpoints its own code saves load in eyas with the same logits (fp32, CPU, within 1e-4), for the plain
+EAGLE-3 layout and every variant speculators has (its layout flags, fc_norm, a Qwen3 layer, two layers).
 
 speculators runs in a subprocess (tests/speculators_worker.py) from the directory `make setup` installs it
 into, beside our CPU torch, with the transformers it pins; nothing of it enters this process. The verifier
@@ -81,7 +82,8 @@ def assert_same_logits(spec_file: Path, ours: list[torch.Tensor]) -> None:
         assert theirs.abs().max().item() > 0.1  # not vacuous: real logits, not zeros
 
 
-@pytest.mark.parametrize(("layout", "include_embeddings"), [("eagle3", False), ("speculators_default", True)])
+@pytest.mark.parametrize(("layout", "include_embeddings"), [("eagle3", False), ("speculators_default", True),
+                                                          ("eagle31_qwen3_two_layers", False)])
 def test_speculators_loads_eyas_checkpoint(make_tiny, tmp_path, layout, include_embeddings):
     v = make_tiny("llama").path
     m = random_draft(v, **LAYOUTS[layout])
@@ -93,7 +95,11 @@ def test_speculators_loads_eyas_checkpoint(make_tiny, tmp_path, layout, include_
                                           "inputs": str(tmp_path / "inputs.safetensors"),
                                           "out": str(tmp_path / "spec_logits.safetensors")}])  # fmt: skip
     assert info["class"] == "Eagle3DraftModel" and info["attn"] == "eager" and info["speculators"] == "0.9.0"
-    assert info["layout"] == {**{k: False for k in info["layout"]}, **LAYOUTS[layout]}
+    flags = {k: v for k, v in LAYOUTS[layout].items() if k in info["layout"]}
+    assert info["layout"] == {**{k: False for k in info["layout"]}, **flags}
+    assert (info["arch"], info["num_layers"]) == (m.config.draft_arch, m.config.num_hidden_layers)
+    kind = "Qwen3" if m.config.draft_arch == "qwen3" else "Llama"  # speculators' first layer, then plain ones
+    assert info["layer_classes"] == [f"{kind}DecoderEagle3FirstLayer"] + [f"{kind}DecoderLayer"] * (info["num_layers"] - 1)
     assert info["aux_layer_ids"] == m.config.aux_layer_ids and info["had_embed"] == include_embeddings
     assert (info["draft_vocab_size"], info["vocab_size"]) == (m.config.draft_vocab_size, tiny.VOCAB)
     assert info["speculative_tokens"] == 3 and info["verifier"] == str(v)
@@ -111,15 +117,18 @@ def test_eyas_imports_speculators_checkpoints(make_tiny, tmp_path):
     ids, aux = write_inputs(tmp_path / "inputs.safetensors", seed=1)
     make = {"cmd": "make", "verifier": str(v), "draft_vocab_size": 80, "seed": 3}
     default = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}  # speculators' CLI
+    eagle31 = {"norm_before_residual": False, "fc_norm": True, "norm_output": True}  # its --fc-norm --norm-output
     jobs = [
         {**make, "out": str(tmp_path / "spec"), "layout": default, "sliding_window": None},
         {**make, "out": str(tmp_path / "spec_swa"), "layout": default, "sliding_window": 2048},
-        {**make, "out": str(tmp_path / "spec_fcnorm"), "layout": {"norm_before_residual": False, "fc_norm": True},
-         "sliding_window": None},
+        {**make, "out": str(tmp_path / "spec31"), "layout": eagle31, "sliding_window": None, "arch": "qwen3",
+         "num_layers": 2},
         {"cmd": "logits", "draft": str(tmp_path / "spec"), "inputs": str(tmp_path / "inputs.safetensors"),
          "out": str(tmp_path / "spec_logits.safetensors"), "steps": 2},
+        {"cmd": "logits", "draft": str(tmp_path / "spec31"), "inputs": str(tmp_path / "inputs.safetensors"),
+         "out": str(tmp_path / "spec31_logits.safetensors"), "steps": 2},
     ]  # fmt: skip
-    *_, info = run_speculators(tmp_path, jobs)
+    *_, info, info31 = run_speculators(tmp_path, jobs)
     assert info["had_embed"] and info["layout"]["norm_before_fc"] and info["sliding_window_layers"] == []
     # speculators' own save, read as is (its embedding included) and after `eyas export --from speculators`
     assert_same_logits(tmp_path / "spec_logits.safetensors", eyas_logits(tmp_path / "spec", None, ids, aux))
@@ -128,11 +137,14 @@ def test_eyas_imports_speculators_checkpoints(make_tiny, tmp_path):
     conf = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert {k: conf[k] for k in default} == default and conf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert "embed_tokens.weight" not in load_file(str(tmp_path / "ours" / "model.safetensors"))
+    # EAGLE-3.1's norms on a two-layer Qwen3 draft, as speculators saves it, and after an export
+    assert (info31["arch"], info31["num_layers"], info31["layout"]["fc_norm"]) == ("qwen3", 2, True)
+    assert_same_logits(tmp_path / "spec31_logits.safetensors", eyas_logits(tmp_path / "spec31", None, ids, aux))
+    export(draft=str(tmp_path / "spec31"), out=str(tmp_path / "ours31"), from_format="speculators", verifier=str(v))
+    assert_same_logits(tmp_path / "spec31_logits.safetensors", eyas_logits(tmp_path / "ours31", v, ids, aux))
     # what eyas cannot run is refused, naming the setting
     with pytest.raises(EyasError, match=r"spec_swa/config.json: sliding-window draft layers are not supported"):
         export(draft=str(tmp_path / "spec_swa"), out=str(tmp_path / "x"), from_format="speculators")
-    with pytest.raises(EyasError, match=r"spec_fcnorm/config.json: fc_norm=true .* not supported"):
-        export(draft=str(tmp_path / "spec_fcnorm"), out=str(tmp_path / "x"), from_format="speculators")
 
 
 def test_speculators_converter_reads_eyas_eagle_export(make_tiny, tmp_path):

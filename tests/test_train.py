@@ -406,3 +406,37 @@ def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
         train(data=inputs["features"], vocab=inputs["vocab"], drop_out_of_vocab=True, full_vocab_accuracy=False,
               **base)  # fmt: skip
     assert not out.exists()
+
+
+def test_variant_flags_train_a_draft_that_loads_and_exports(inputs, tmp_path):
+    """Each draft variant is one flag (and one `eyas run` key): a run with EAGLE-3.1's norms, a Qwen3-style layer
+    and two layers trains, writes the config keys vLLM reads, loads back with the trained weights, and exports
+    for vLLM, while the SGLang export is refused (no SGLang release runs a Qwen3-style draft layer)."""
+    from eyas.checkpoint import load_draft, read_draft_config
+    from eyas.cli import main
+    from eyas.export import export
+    from eyas.pipeline import check
+
+    out = tmp_path / "run"
+    assert main(["train", "--verifier", inputs["verifier"], "--data", inputs["features"], "--vocab", inputs["vocab"],
+                 "--out", str(out), "--epochs", "1", "--max-steps", "2", "--max-seq-len", "64", "--num-workers", "0",
+                 "--fc-norm", "--norm-output", "--draft-arch", "qwen3", "--num-layers", "2"]) == 0  # fmt: skip
+    cfg, raw = read_draft_config(out)
+    assert (cfg.fc_norm, cfg.norm_output, cfg.draft_arch, cfg.num_hidden_layers) == (True, True, "qwen3", 2)
+    assert raw["fc_norm"] and raw["transformer_layer_config"]["model_type"] == "qwen3"
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 2 and not raw["norm_before_fc"]
+    draft, state = load_draft(out, verifier=inputs["verifier"]), _final_state(out)
+    for name in ("fc_norm.2.weight", "layers.1.self_attn.q_norm.weight", "layers.1.mlp.down_proj.weight"):
+        want = state[f"draft.{name}"].to(torch.bfloat16).float()  # the checkpoint holds bf16
+        torch.testing.assert_close(draft.get_parameter(name).detach(), want, rtol=0, atol=0, msg=name)
+    assert export(draft=str(out), out=str(tmp_path / "vllm"))["outputs"]["requires"]["min_version"] == "0.25.0"
+    with pytest.raises(EyasError, match="draft_arch=qwen3, but no SGLang release"):
+        export(draft=str(out), out=str(tmp_path / "sgl"), format="eagle")
+    with pytest.raises(EyasError, match="norm_before_fc and fc_norm exclude each other"):
+        train(verifier=inputs["verifier"], data=inputs["features"], out=str(tmp_path / "both"), norm_before_fc=True,
+              fc_norm=True, **COMMON)  # fmt: skip
+    config = tmp_path / "variants.toml"
+    config.write_text('verifier = "x"\n[train]\nfc_norm = true\nnorm_output = true\ndraft_arch = "qwen3"\n'
+                      "num_layers = 2\n")  # fmt: skip
+    (_, _, [(stage, _, args)]) = check(str(config))
+    assert stage == "train" and (args["fc_norm"], args["draft_arch"], args["num_layers"]) == (True, "qwen3", 2)

@@ -2,15 +2,16 @@
 
 ``config.json`` uses exactly the names vLLM's speculators parser reads
 (``vllm/transformers_utils/configs/speculators/{base,algos}.py``):
-``speculators_model_type``, ``transformer_layer_config`` (a Llama config dict
-whose ``vocab_size`` is the verifier's padded vocab), ``draft_vocab_size``,
+``speculators_model_type``, ``transformer_layer_config`` (a Llama, or Qwen3,
+config dict whose ``vocab_size`` is the verifier's padded vocab and whose
+``num_hidden_layers`` counts the draft's decoder layers), ``draft_vocab_size``,
 ``eagle_aux_hidden_state_layer_ids`` (id ``i`` = the state *entering* verifier
 layer ``i``), ``speculators_config.proposal_methods[0].speculative_tokens``,
 ``speculators_config.verifier.name_or_path``, and every layout flag written
 explicitly (vLLM defaults a missing ``norm_before_residual`` to true).
 
 ``model.safetensors`` holds the module's own state-dict names (``fc.weight``,
-``layers.0.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), bf16
+``layers.N.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``), bf16
 for floating tensors. ``embed_tokens.weight`` is left out by default (vLLM and
 SGLang share the verifier's; for Kimi it is 2.35 GB), so loading takes the
 verifier to fill it in. ``d2t``/``t2d`` are left out when the draft vocab is the
@@ -38,17 +39,22 @@ WEIGHTS = "model.safetensors"
 LAYOUT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-def llama_layer_config(cfg: DraftConfig) -> dict[str, Any]:
-    """The draft's decoder layer as a transformers ``LlamaConfig`` dict (speculators' ``transformer_layer_config``,
-    and the body of the EAGLE/SGLang config)."""
+def decoder_layer_config(cfg: DraftConfig) -> dict[str, Any]:
+    """The draft's decoder layers as a transformers ``LlamaConfig`` (or ``Qwen3Config``) dict (speculators'
+    ``transformer_layer_config``, and the body of the EAGLE/SGLang config)."""
     rope = dict(cfg.rope_parameters)
     legacy_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    qwen3 = cfg.draft_arch == "qwen3"
+    # vLLM picks the draft class by this model_type (algos.py: qwen3 -> Eagle3Qwen3ForCausalLM), speculators
+    # its decoder layer (models/eagle3/model_definitions.py)
+    layer_kind = {"model_type": cfg.draft_arch, "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"]}
+    if qwen3:  # Qwen3Config can build sliding layers; vLLM's qwen3_eagle3.py reads layer_types: all full
+        layer_kind.update(use_sliding_window=False, layer_types=["full_attention"] * cfg.num_hidden_layers)
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        **layer_kind,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
@@ -73,12 +79,12 @@ def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_archit
     out: dict[str, Any] = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": llama_layer_config(cfg),
+        "transformer_layer_config": decoder_layer_config(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": False,
+        "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         # SGLang ties lm_head to the embedding when this is true (SmolLM2 itself is tied).
@@ -107,12 +113,11 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
     layer = d.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise EyasError(f"{where}: transformer_layer_config is missing or not an object")
-    if layer.get("model_type", "llama") != "llama":
-        raise EyasError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not supported")
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise EyasError(f"{where}: drafts with {layer['num_hidden_layers']} layers are not supported (only 1)")
-    if d.get("fc_norm"):
-        raise EyasError(f"{where}: fc_norm=true (per-layer aux norms) is not supported by eyas")
+    arch = layer.get("model_type", "llama")
+    if arch not in ("llama", "qwen3"):
+        raise EyasError(f"{where}: transformer_layer_config.model_type {arch!r} is not supported (llama or qwen3)")
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        raise EyasError(f"{where}: transformer_layer_config has attention_bias or mlp_bias; eyas drafts have no biases")
     if layer.get("layer_types") and "sliding_attention" in layer["layer_types"]:
         raise EyasError(f"{where}: sliding-window draft layers are not supported by eyas")
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
@@ -147,7 +152,10 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
             # vLLM's parser defaults a missing norm_before_residual to true; read it the way vLLM serves it.
             norm_before_residual=bool(d.get("norm_before_residual", True)),
             norm_before_fc=bool(d.get("norm_before_fc", False)),
+            fc_norm=bool(d.get("fc_norm", False)),
             norm_output=bool(d.get("norm_output", False)),
+            draft_arch=arch,
+            num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
         )
     except ValueError as e:
         raise EyasError(f"{where}: {e}") from e
@@ -198,26 +206,35 @@ def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     H, hd = cfg.hidden_size, cfg.head_dim
-    shapes = {
-        "fc.weight": (H, cfg.fc_in_features),
-        "layers.0.hidden_norm.weight": (H,),
-        "layers.0.input_layernorm.weight": (H,),
-        "layers.0.post_attention_layernorm.weight": (H,),
-        "layers.0.self_attn.q_proj.weight": (cfg.num_attention_heads * hd, 2 * H),
-        "layers.0.self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, 2 * H),
-        "layers.0.self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, 2 * H),
-        "layers.0.self_attn.o_proj.weight": (H, cfg.num_attention_heads * hd),
-        "layers.0.mlp.gate_proj.weight": (cfg.intermediate_size, H),
-        "layers.0.mlp.up_proj.weight": (cfg.intermediate_size, H),
-        "layers.0.mlp.down_proj.weight": (H, cfg.intermediate_size),
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, cfg.fc_in_features)}
+    for i in range(cfg.num_hidden_layers):
+        p, width = f"layers.{i}.", (2 if i == 0 else 1) * H  # layer 0 reads [embeddings, hidden]
+        if i == 0:
+            shapes[p + "hidden_norm.weight"] = (H,)
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, width),
+            p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, width),
+            p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, width),
+            p + "self_attn.o_proj.weight": (H, cfg.num_attention_heads * hd),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, H),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
+            p + "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        })  # fmt: skip
+        if cfg.draft_arch == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    shapes.update({
         "norm.weight": (H,),
         "lm_head.weight": (cfg.draft_vocab_size, H),
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
         "embed_tokens.weight": (cfg.vocab_size, H),
-    }
+    })  # fmt: skip
     if cfg.norm_before_fc:
         shapes["input_norm.weight"] = (cfg.fc_in_features,)
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (cfg.fc_in_features // 3,) for i in range(3)})
     return shapes
 
 

@@ -8,6 +8,11 @@ One set of weights, two layouts:
   SpecForge and the EAGLE repo: a plain Llama ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]``,
   ``draft_vocab_size`` and ``eagle_config``; weights under ``midlayer.*`` instead of ``layers.0.*``.
 
+Layout variants (:class:`eyas.model.DraftConfig`) need engine releases that run them as trained; an older
+release may refuse the checkpoint or, worse, load it and run other numerics. :data:`MIN_RELEASE` says which
+release, the export's manifest records it (``outputs.requires``), and a variant no release of the target
+engine runs is refused.
+
 Aux layer ids. eyas, vLLM and speculators write id ``i`` for the hidden state *entering* verifier layer ``i``
 (vLLM captures ``hidden_states + residual`` before layer ``i``: ``vllm/model_executor/models/llama.py``).
 SGLang captures ``id + 1`` for every id in ``eagle_config.eagle_aux_hidden_state_layer_ids`` ("we plus 1
@@ -23,6 +28,7 @@ have can be evaluated or fine-tuned with eyas.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -34,8 +40,8 @@ from eyas.checkpoint import (
     CONFIG,
     WEIGHTS,
     check_tensors,
+    decoder_layer_config,
     draft_config_from_dict,
-    llama_layer_config,
     read_draft_config,
     read_tensors,
     save_tensors,
@@ -58,6 +64,31 @@ EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's EntryClass (sglang/srt
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # SpecForge / SGLang, and the EAGLE repo
 DEFAULT_SPECULATIVE_TOKENS = 3  # what speculators' Eagle3Converter writes for an EAGLE import
+
+#: The first release of each engine that serves a layout variant with the numerics it was trained with (None:
+#: no release does), read in the published wheels: vLLM's speculators path (transformers_utils/configs/
+#: speculators/algos.py, model_executor/models/{llama,qwen3}_eagle3.py) and SGLang's
+#: srt/models/llama_eagle3.py. A variant missing from an engine's table runs on every release that serves
+#: EAGLE-3 there. Older releases are not all loud about it: vLLM 0.18 builds norm_before_fc's norm and
+#: vLLM 0.22-0.24 norm_output's and fc_norm's, but their speculators parser drops the flags (vLLM #38111,
+#: #46488); SGLang before 0.5.17 skips input_norm.weight, and before 0.5.12 fc_norm.*, without a word.
+MIN_RELEASE: dict[str, dict[str, str | None]] = {
+    "vLLM": {
+        "norm_before_fc": "0.19.0",  # model code 0.18.0 (vLLM #36545), read from speculators configs 0.19.0
+        "fc_norm": "0.25.0",  # model code 0.22.0 (vLLM #42764), read from speculators configs 0.25.0
+        "norm_output": "0.25.0",
+        "draft_arch=qwen3": "0.24.0",  # Eagle3Qwen3ForCausalLM, chosen by transformer_layer_config.model_type
+        "num_hidden_layers>1": "0.11.1",  # vLLM #26164; 0.11.0 builds one layer
+    },
+    "SGLang": {
+        "norm_before_residual": None,  # its first layer always takes the residual before hidden_norm
+        "draft_arch=qwen3": None,  # LlamaForCausalLMEagle3 only: q_norm/k_norm would be skipped
+        "norm_before_fc": "0.5.17",
+        "fc_norm": "0.5.12",
+        "norm_output": "0.5.12",
+        "num_hidden_layers>1": "0.5.12",  # 0.5.11 and older raise "EAGLE3 currently only supports 1 layer"
+    },
+}
 
 
 @dataclass
@@ -187,11 +218,27 @@ def read_native(path: str | Path, *, tensors: bool = True) -> Draft:
                  speculative_tokens=methods[0].get("speculative_tokens"))  # fmt: skip
 
 
+# SGLang's names for what vLLM and eyas call layers.0.* and fc_norm.{0,1,2} (llama_eagle3.py load_weights)
+_EAGLE_ALIASES = {"midlayer.": "layers.0.", "aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.",
+                  "aux_norm_high.": "fc_norm.2."}  # fmt: skip
+# A decoder layer after the first: SGLang normalises its input with hidden_norm, vLLM and eyas with
+# input_layernorm (sglang llama_eagle3.py LlamaDecoderLayer.forward; vllm llama_eagle3.py), so the EAGLE layout
+# carries the weight under both names and each engine reads its own.
+_LATER_INPUT_NORM = re.compile(r"layers\.([1-9][0-9]*)\.(hidden_norm|input_layernorm)\.weight")
+
+
 def _eagle_to_eyas_key(key: str) -> str:
-    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+    for alias, name in _EAGLE_ALIASES.items():
+        if key.startswith(alias):
+            return name + key.removeprefix(alias)
+    m = _LATER_INPUT_NORM.fullmatch(key)
+    return f"layers.{m[1]}.input_layernorm.weight" if m else key
 
 
 def _eyas_to_eagle_key(key: str) -> str:
+    m = _LATER_INPUT_NORM.fullmatch(key)
+    if m:
+        return f"layers.{m[1]}.hidden_norm.weight"
     return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
 
 
@@ -202,7 +249,9 @@ def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) 
     (plus one gives ours), else the verifier's defaults ``[2, L//2, L-3]`` (SGLang's default capture, no
     shift: ``sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``). Weights: ``midlayer.*`` or
     ``layers.0.*``. The residual is always the raw hidden state (``norm_before_residual`` false), as in
-    SGLang's ``llama_eagle3.py`` decoder layer and EAGLE's ``cnets.py``. ``tensors=False`` reads the config only.
+    SGLang's ``llama_eagle3.py`` decoder layer and EAGLE's ``cnets.py``, and the layers are Llama layers whatever
+    ``model_type`` says (SGLang's ``LlamaForCausalLMEagle3`` builds no other). ``tensors=False`` reads the
+    config only.
     """
     src = Path(path)
     where = str(src / CONFIG)
@@ -214,8 +263,6 @@ def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) 
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         if key not in c:
             raise EyasError(f"{where}: {key} is missing")
-    if c.get("fc_norm") or c.get("use_aux_norm"):
-        raise EyasError(f"{where}: fc_norm (a norm per aux state) is not supported by eyas")
     if c.get("bias"):
         raise EyasError(f"{where}: bias=true (an fc bias) is not supported by eyas")
     eagle = c.get("eagle_config") or {}
@@ -231,7 +278,7 @@ def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) 
                         "uses the verifier's default aux layers [2, L//2, L-3], as SGLang does")  # fmt: skip
     # SGLang reads no layer_types (its draft window is a server flag), so neither do we.
     layer = {k: v for k, v in c.items() if k not in ("layer_types", "use_sliding_window")}
-    layer["model_type"] = c.get("model_type") or "llama"
+    layer["model_type"] = "llama"
     spec_like = {
         "speculators_model_type": "eagle3",
         "transformer_layer_config": layer,
@@ -240,6 +287,7 @@ def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) 
         "target_hidden_size": c.get("target_hidden_size"),
         "norm_before_residual": False,
         "norm_before_fc": bool(eagle.get("norm_before_fc", c.get("norm_before_fc", False))),
+        "fc_norm": bool(c.get("fc_norm") or c.get("use_aux_norm")),  # use_aux_norm: SGLang's older name
         "norm_output": bool(c.get("norm_output", False)),
     }
     cfg = draft_config_from_dict(spec_like, where=where)
@@ -250,10 +298,23 @@ def read_eagle(path: str | Path, *, verifier: Any = None, tensors: bool = True) 
 
 
 def check_eagle_tensors(tensors: dict[str, Any], cfg: DraftConfig, *, where: str) -> dict[str, Any]:
-    """EAGLE-named tensors (or anything with a ``.shape``) under eyas's names, each key and shape checked."""
+    """EAGLE-named tensors (or anything with a ``.shape``) under eyas's names, each key and shape checked.
+
+    A later layer's input norm counts as SGLang reads it (``hidden_norm``); a copy under ``input_layernorm``
+    (what vLLM reads) must hold the same values, so that both engines run one draft."""
+    tensors = dict(tensors)
+    for key in [k for k in tensors if (m := _LATER_INPUT_NORM.fullmatch(k)) and m[2] == "input_layernorm"]:
+        sglang = key.replace(".input_layernorm.", ".hidden_norm.")
+        if sglang not in tensors:
+            raise EyasError(f"{where} has {key!r} but no {sglang!r}, the input norm SGLang reads for that layer; "
+                            "SGLang would run it with another norm than vLLM")  # fmt: skip
+        a, b = tensors.pop(key), tensors[sglang]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not torch.equal(a, b):
+            raise EyasError(f"{where}: {key!r} and {sglang!r} differ; vLLM reads the first, SGLang the second")
     renamed = {_eagle_to_eyas_key(k): v for k, v in tensors.items()}
     if len(renamed) != len(tensors):
-        raise EyasError(f"{where}: holds both midlayer.* and layers.0.* copies of the same tensor")
+        raise EyasError(f"{where}: holds both midlayer.* and layers.0.* (or aux_norm_* and fc_norm.*) copies of "
+                        "the same tensor")  # fmt: skip
     file_names = {_eagle_to_eyas_key(k): k for k in tensors}
     check_tensors(renamed, cfg, where=where, file_key=lambda k: file_names.get(k, _eyas_to_eagle_key(k)))
     return renamed
@@ -341,15 +402,40 @@ def _embeddings(d: Draft, info: Any, *, include: bool) -> dict[str, torch.Tensor
     return tensors
 
 
+def variants(cfg: DraftConfig) -> list[str]:
+    """The layout variants a draft uses, as :data:`MIN_RELEASE` names them (empty: plain EAGLE-3)."""
+    names = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, k)]
+    if cfg.draft_arch == "qwen3":
+        names.append("draft_arch=qwen3")
+    return names + (["num_hidden_layers>1"] if cfg.num_hidden_layers > 1 else [])
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def engine_requirement(cfg: DraftConfig, engine: str, *, where: str) -> dict[str, Any]:
+    """The oldest ``engine`` release that serves this draft as trained (``min_version``; None: any release that
+    serves EAGLE-3) and the first release of each variant that needs one; a variant no release runs is refused,
+    naming it."""
+    table = MIN_RELEASE[engine]
+    used = [v for v in variants(cfg) if v in table]
+    never = [v for v in used if table[v] is None]
+    if never:
+        why = {"norm_before_residual": "it always takes the residual from the un-normed hidden state",
+               "draft_arch=qwen3": "its EAGLE-3 draft is a Llama layer, which would skip q_norm/k_norm"}  # fmt: skip
+        said = ", ".join(v if "=" in v else f"{v}=true" for v in never)  # as config.json spells it
+        raise EyasError(f"{where}: {said}, but no {engine} release runs this draft as trained "
+                        f"({'; '.join(why[v] for v in never)}: sglang/srt/models/llama_eagle3.py), so it would "
+                        f"serve it with other numerics. Serve it with vLLM (--format speculators), or train "
+                        f"without {', '.join(never)} for {engine}")  # fmt: skip
+    need = {v: table[v] for v in used}
+    return {"engine": engine, "min_version": max(need.values(), key=_version, default=None), "variants": need}
+
+
 def _check_sglang_servable(cfg: DraftConfig, info: Any, *, where: str) -> None:
-    """Refuse what SGLang would load but run with other numerics than the draft was trained with."""
-    if cfg.norm_before_residual:
-        # sglang/srt/models/llama_eagle3.py, LlamaDecoderLayer.forward: the input layer always sets
-        # residual = hidden_states before hidden_norm; no norm_before_residual exists in sglang.
-        raise EyasError(f"{where}: norm_before_residual=true, but SGLang always takes the residual from the "
-                        "un-normed hidden state (sglang/srt/models/llama_eagle3.py), so it would serve this draft "
-                        "with other numerics. Serve it with vLLM (--format speculators), or train with "
-                        "norm_before_residual=false for SGLang")  # fmt: skip
+    """Refuse what no SGLang release would run with the numerics the draft was trained with."""
+    engine_requirement(cfg, "SGLang", where=where)
     if info is not None and max(cfg.aux_layer_ids) >= info.num_hidden_layers:
         # sglang/srt/models/llama.py: captures happen at the start of layers 0..L-1 (:485-494), so id + 1 = L
         # never fires and fc would get two aux states instead of three.
@@ -362,7 +448,7 @@ def _check_sglang_servable(cfg: DraftConfig, info: Any, *, where: str) -> None:
 
 def eagle_config_dict(cfg: DraftConfig, *, dtype: str = "bfloat16") -> dict[str, Any]:
     """The EAGLE/SGLang config.json: a Llama config plus what ``sglang/srt/models/llama_eagle3.py`` reads."""
-    conf = llama_layer_config(cfg)
+    conf = decoder_layer_config(cfg)
     conf.update({
         "architectures": [EAGLE_ARCHITECTURE],
         "model_type": "llama",
@@ -375,7 +461,7 @@ def eagle_config_dict(cfg: DraftConfig, *, dtype: str = "bfloat16") -> dict[str,
         },
         "norm_before_residual": False,  # what SGLang runs; vLLM's EAGLE path reads it with default false
         "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": False,
+        "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "dtype": dtype,
         "eyas_version": __version__,
@@ -386,14 +472,20 @@ def eagle_config_dict(cfg: DraftConfig, *, dtype: str = "bfloat16") -> dict[str,
 
 
 def eagle_tensors(cfg: DraftConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors under EAGLE names (``midlayer.*``), floating ones cast to ``dtype``; ``d2t``/``t2d`` always
-    present (SpecForge's ``to_sglang`` export requires them; SGLang turns d2t into its hot-token ids)."""
+    """Tensors under EAGLE names (``midlayer.*``; a later layer's input norm under both the name SGLang reads
+    and the one vLLM reads), floating ones cast to ``dtype``; ``d2t``/``t2d`` always present (SpecForge's
+    ``to_sglang`` export requires them; SGLang turns d2t into its hot-token ids)."""
     tensors = dict(tensors)
     if "d2t" not in tensors:  # a full-vocab draft: identity maps
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    return {_eyas_to_eagle_key(k): (v.to(dtype) if v.is_floating_point() else v).contiguous()
-            for k, v in tensors.items()}  # fmt: skip
+    out = {}
+    for k, v in tensors.items():
+        v = (v.to(dtype) if v.is_floating_point() else v).contiguous()
+        out[_eyas_to_eagle_key(k)] = v
+        if _LATER_INPUT_NORM.fullmatch(k):
+            out[k] = v.clone()  # its own storage: safetensors refuses two names for one buffer
+    return out
 
 
 def _verifier_architectures(info: Any) -> list[str]:
@@ -440,7 +532,10 @@ def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
         "speculative_tokens": back.speculative_tokens,
         "verifier_name_or_path": back.verifier_name,
         "layout": {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-                   "norm_output": cfg.norm_output},  # fmt: skip
+                   "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "draft_arch": cfg.draft_arch,
+                   "num_hidden_layers": cfg.num_hidden_layers},  # fmt: skip
+        # the oldest engine release that serves the draft as trained (an older one may run other numerics)
+        "requires": engine_requirement(cfg, "vLLM" if format == "speculators" else "SGLang", where=str(dst)),
     }
 
 
@@ -458,3 +553,8 @@ def _print_summary(dst: Path, outputs: dict[str, Any], *, verifier: str) -> None
               f"{outputs['draft_vocab_size']} of {outputs['vocab_size']}")  # fmt: skip
         spec = {"model": str(dst), "method": "eagle3", "num_speculative_tokens": outputs["speculative_tokens"]}
         print(f"  serve: vllm serve {verifier} --speculative-config '{json.dumps(spec)}'")
+    req = outputs["requires"]
+    if req["min_version"]:
+        since = ", ".join(f"{k} from {v}" for k, v in req["variants"].items())
+        print(f"  needs {req['engine']} >= {req['min_version']} ({since}): an older release may load it and run "
+              "other numerics (recorded in manifest.json)")  # fmt: skip

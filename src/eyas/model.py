@@ -4,8 +4,9 @@ Geometry and weight names follow speculators' ``eagle3`` model, which vLLM
 loads as is (``vllm/model_executor/models/llama_eagle3.py``)::
 
     fc            Linear(3*H_target -> H)     over the concatenated aux states
-    layers.0      one Llama decoder layer whose q/k/v take 2H:
+    layers.0      a Llama decoder layer whose q/k/v take 2H:
                   [input_layernorm(embed(token)), hidden_norm(hidden)]
+    layers.1..    optional further decoder layers over the previous layer's output (q/k/v take H)
     norm          RMSNorm(H)
     lm_head       Linear(H -> draft_vocab)    initialised from the verifier head's draft-vocab rows
     embed_tokens  frozen copy of the verifier's embedding (vLLM shares the verifier's when absent)
@@ -23,6 +24,14 @@ format for a kernel (a ``BlockMask`` in SDPA) cannot be built:
   ``1..k`` (EAGLE-3, Li et al. 2025, sec. 3.2 "training-time test").
 - :class:`DraftCache` (inference): a KV cache indexed by position, rolled back
   by truncation after a verification round.
+
+Each decoder layer keeps its own keys and values in both contexts.
+
+Variants that vLLM and SGLang serve (off by default: the plain EAGLE-3 layout loads everywhere):
+``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output`` (EAGLE-3.1, speculators
+#610/#670, vLLM #42764), a Qwen3-style layer (``draft_arch="qwen3"``: RMSNorm over each query and key head
+before RoPE, vLLM #43132) and more than one decoder layer (vLLM #26164). Which engine release serves which
+is :mod:`eyas.export`'s business.
 """
 
 from __future__ import annotations
@@ -66,12 +75,24 @@ class DraftConfig:
     # every vLLM and SGLang release loads is all-false.
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators' default: true)
     norm_before_fc: bool = False  # RMSNorm (`input_norm`) over the concatenated aux states before fc
+    fc_norm: bool = False  # an RMSNorm (`fc_norm.i`) over each aux state before fc (the EAGLE-3.1 paper's)
     norm_output: bool = False  # feed the *normed* output to the next step (speculators' "Eagle 3.1")
+    # The decoder layer: "llama", or "qwen3" (q_norm/k_norm: RMSNorm over each head of q and k before RoPE,
+    # speculators' --draft-arch qwen3), and how many (speculators' --num-layers, transformers' name).
+    draft_arch: Literal["llama", "qwen3"] = "llama"
+    num_hidden_layers: int = 1
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
         if len(self.aux_layer_ids) != 3 or self.aux_layer_ids != sorted(self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids must be three ids in ascending order, got {self.aux_layer_ids}")
+        if self.norm_before_fc and self.fc_norm:  # one norm over the concatenation, or one per state: not both
+            raise ValueError("norm_before_fc and fc_norm exclude each other (speculators' Eagle3SpeculatorConfig)")
+        if self.draft_arch not in ("llama", "qwen3"):
+            raise ValueError(f"draft_arch must be 'llama' or 'qwen3', got {self.draft_arch!r}")
+        if int(self.num_hidden_layers) < 1:
+            raise ValueError(f"num_hidden_layers must be at least 1, got {self.num_hidden_layers}")
+        self.num_hidden_layers = int(self.num_hidden_layers)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size > self.vocab_size:
@@ -227,14 +248,16 @@ class TTTContext:
     attention inside one document. Key layout at step ``k``: ``k + 1`` blocks of
     ``T`` (block 0: step-0 keys, block ``j``: step-``j`` keys), so kv index
     ``j*T + s`` is step ``j``, sequence index ``s``. Query ``t`` sees block 0 at
-    ``s <= t`` in its document, and blocks ``1..k`` at ``s == t`` only.
+    ``s <= t`` in its document, and blocks ``1..k`` at ``s == t`` only. Each of
+    the ``num_layers`` decoder layers attends to its own keys under that one mask.
     """
 
-    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl) -> None:
+    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl, *, num_layers: int = 1) -> None:
         self.doc_ids = doc_ids
         self.impl = attn_implementation
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.num_layers = num_layers
+        self.keys: list[list[torch.Tensor]] = []  # [step][layer] -> [B, kv, T, d]
+        self.values: list[list[torch.Tensor]] = []
         self._block_masks: dict[int, Any] = {}
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (causal, diagonal) blocks, [B, T, T] each
         self.step = 0  # the TTT step the next layer call belongs to
@@ -277,20 +300,22 @@ class TTTContext:
             self._block_masks[k] = build(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
         return self._block_masks[k]
 
-    def past(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The keys and values ``[B, kv, T, d]`` of the steps before the current one."""
-        return self.keys[: self.step], self.values[: self.step]
+    def past(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """Per layer, the keys and values ``[B, kv, T, d]`` of the steps before the current one."""
+        keys = [[step[i] for step in self.keys[: self.step]] for i in range(self.num_layers)]
+        values = [[step[i] for step in self.values[: self.step]] for i in range(self.num_layers)]
+        return keys, values
 
     def mask(self):
         """The current step's mask, in the format its attention takes: a ``BlockMask`` for flex, a dense
         ``[B, 1, T, (step+1)*T]`` boolean otherwise."""
         return self._block_mask(self.step) if self.impl == "flex" else self._dense_mask(self.step)
 
-    def record(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep the current step's keys and values ``[B, kv, T, d]`` for the steps after it."""
+    def record(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Keep the current step's keys and values ``[B, kv, T, d]`` (one per layer) for the steps after it."""
         del self.keys[self.step :], self.values[self.step :]  # a recomputed step drops its first run's (equal) keys
-        self.keys.append(k)
-        self.values.append(v)
+        self.keys.append(list(keys))
+        self.values.append(list(values))
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float,
@@ -341,16 +366,20 @@ class DraftCache:
     A query at position ``p`` sees every valid slot ``<= p``. After a
     verification round, :meth:`truncate` drops rejected positions; accepted
     ones are then recomputed from the verifier's hidden states (as vLLM does),
-    simply by running :meth:`Eagle3Draft.step` over them again.
+    simply by running :meth:`Eagle3Draft.step` over them again. ``k``/``v``
+    hold every decoder layer's slots, ``[B, num_layers * kv, max_len, d]``:
+    layer ``i``'s heads are ``i*kv .. (i+1)*kv - 1``, so dim 2 is the position
+    whatever the layer count.
     """
 
     def __init__(self, *, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: AttnImpl = "sdpa") -> None:  # fmt: skip
+                 attn_implementation: AttnImpl = "sdpa", num_layers: int = 1) -> None:  # fmt: skip
         if attn_implementation == "flex":
             attn_implementation = "sdpa"  # decoding a few tokens: a dense mask is cheaper than a BlockMask
         self.impl = attn_implementation
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.num_kv_heads = num_kv_heads
+        shape = (batch_size, num_layers * num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
@@ -366,46 +395,58 @@ class DraftCache:
         self.valid &= slots[None, :] < lengths
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               position_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Write k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to every valid slot at or
-        before each query's position."""
+               position_ids: torch.Tensor, *, layer: int = 0) -> torch.Tensor:  # fmt: skip
+        """Write decoder layer ``layer``'s k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to
+        every valid slot of that layer at or before each query's position."""
         pos = position_ids
-        # The bound check reads a device value; a compiled or graph-captured decoding loop sizes its cache itself
-        # and skips it.
+        # The bound check reads a device value (once per step: every layer writes the same positions); a compiled
+        # or graph-captured decoding loop sizes its cache itself and skips it.
         capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not torch.compiler.is_compiling() and not capturing and int(pos.max()) >= self.max_len:
+        if layer == 0 and not torch.compiler.is_compiling() and not capturing and int(pos.max()) >= self.max_len:
             raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
         B, _, T, _ = k.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        self.k[rows, :, pos] = k.transpose(1, 2).to(self.k.dtype)  # [B, T, kv, d] into slots
-        self.v[rows, :, pos] = v.transpose(1, 2).to(self.v.dtype)
-        self.valid[rows, pos] = True
+        heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
+        keys, values = self.k[:, heads], self.v[:, heads]  # [B, kv, S, d] views: writes land in the cache
+        keys[rows, :, pos] = k.transpose(1, 2).to(keys.dtype)  # [B, T, kv, d] into slots
+        values[rows, :, pos] = v.transpose(1, 2).to(values.dtype)
+        # shared by the layers (every layer writes the same positions); a device scalar, not a host one: a CUDA graph
+        # cannot record a copy from pageable host memory
+        self.valid[rows, pos] = torch.ones((), dtype=torch.bool, device=pos.device)
         slots = torch.arange(self.max_len, device=pos.device)
         mask = (self.valid[:, None, :] & (slots[None, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
-        return masked_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), mask, scale, self.impl)
+        return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, self.impl)
 
 
 # --------------------------------------------------------------------------- modules
 
 
 class Eagle3Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, *, in_features: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        # EAGLE-3: q/k/v read [embeddings, hidden] concatenated, hence 2H inputs.
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        # EAGLE-3: the first layer's q/k/v read [embeddings, hidden] concatenated, hence 2H inputs there.
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3's attention: RMSNorm over each query and key head before RoPE (transformers Qwen3Attention,
+        # vLLM qwen3_eagle3.py via Qwen3DecoderLayer); speculators #563 made it its default draft layer.
+        qwen3 = cfg.draft_arch == "qwen3"
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qwen3 else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qwen3 else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H] -> q [B, h, T, d] and k, v [B, kv, T, d], RoPE applied."""
+        """x [B, T, in_features] -> q [B, h, T, d] and k, v [B, kv, T, d], RoPE applied."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, h, d]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, kv, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, d], [B, kv, T, d]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
@@ -431,23 +472,28 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """vLLM's ``llama_eagle3.LlamaDecoderLayer``: normed embeddings and normed hidden state, concatenated
-    (embeddings first), feed attention; the residual is the hidden state (normed only with
-    ``norm_before_residual``)."""
+    """vLLM's ``llama_eagle3.LlamaDecoderLayer``. Layer 0: normed embeddings and normed hidden state,
+    concatenated (embeddings first), feed attention; the residual is the hidden state (normed only with
+    ``norm_before_residual``). A later layer is an ordinary pre-norm decoder layer over the previous layer's
+    output (``input_layernorm``, no embeddings: vLLM #26164, speculators' plain decoder layers)."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, *, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.norm_before_residual = cfg.norm_before_residual
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_idx == 0:
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = Eagle3Attention(cfg, in_features=(2 if layer_idx == 0 else 1) * cfg.hidden_size)
         self.mlp = Eagle3MLP(cfg)
 
     # The layer in two halves around attention: inference runs its cache's attention between them; training
     # runs all three as one function of tensors (ttt_forward), which it compiles as one region with the norm.
     def pre_attention(self, embeds, hidden, cos, sin):
         """-> q, k, v (RoPE applied) and the residual."""
+        if self.layer_idx > 0:
+            return *self.self_attn.qkv(self.input_layernorm(hidden), cos, sin), hidden
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
@@ -472,7 +518,8 @@ class Eagle3DecoderLayer(nn.Module):
     def forward(self, embeds, hidden, cos, sin, position_ids, context) -> torch.Tensor:
         """Inference: the layer around its cache's attention (training runs :meth:`ttt_forward`)."""
         q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
-        return self.post_attention(context.attend(q, k, v, self.self_attn.scale, position_ids), residual)
+        attn = context.attend(q, k, v, self.self_attn.scale, position_ids, layer=self.layer_idx)
+        return self.post_attention(attn, residual)
 
 
 class Eagle3Draft(nn.Module):
@@ -488,8 +535,11 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen: the verifier's
         self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        # EAGLE-3.1 (speculators #670, vLLM #42764): one RMSNorm per aux state, each over the verifier's width
+        width = cfg.fc_in_features // 3
+        self.fc_norm = nn.ModuleList([RMSNorm(width, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg, layer_idx=i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -525,6 +575,9 @@ class Eagle3Draft(nn.Module):
         """[B, T, 3*H_target] verifier aux states (ascending layer order) -> [B, T, H]."""
         if self.input_norm is not None:
             aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            states = aux_hidden.chunk(3, dim=-1)  # 3 x [B, T, H_target]
+            aux_hidden = torch.cat([norm(h) for norm, h in zip(self.fc_norm, states)], dim=-1)
         return self.fc(aux_hidden)
 
     def step(self, input_ids: torch.Tensor | None, hidden: torch.Tensor, position_ids: torch.Tensor, context,
@@ -552,16 +605,24 @@ class Eagle3Draft(nn.Module):
                                                    context.impl)  # fmt: skip
             context.record(k, v)
         else:
-            prenorm = self.layers[0](embeds, hidden, cos, sin, position_ids, context)
+            prenorm = hidden
+            for layer in self.layers:
+                prenorm = layer(embeds, prenorm, cos, sin, position_ids, context)
             normed = self.norm(prenorm)
         return normed, normed if self.config.norm_output else prenorm
 
     def ttt_block(self, embeds, hidden, cos, sin, past_keys, past_values, mask, impl: AttnImpl):
-        """:meth:`step`'s layer and final norm in training-time test, as a function of tensors only
+        """:meth:`step`'s layers and final norm in training-time test, as a function of tensors only
         (``eyas.train.compile_draft`` compiles it as one region: the host dispatches one graph per TTT step, not
-        four). Returns ``(normed, prenorm, k, v)``; see :meth:`Eagle3DecoderLayer.ttt_forward`."""
-        prenorm, k, v = self.layers[0].ttt_forward(embeds, hidden, cos, sin, past_keys, past_values, mask, impl)
-        return self.norm(prenorm), prenorm, k, v
+        four). ``past_keys[i]`` / ``past_values[i]``: layer ``i``'s keys and values of the earlier steps.
+        Returns ``(normed, prenorm, keys, values)``, ``keys[i]`` this step's of layer ``i``; see
+        :meth:`Eagle3DecoderLayer.ttt_forward`."""
+        keys, values = [], []
+        for layer, layer_keys, layer_values in zip(self.layers, past_keys, past_values, strict=True):
+            hidden, k, v = layer.ttt_forward(embeds, hidden, cos, sin, layer_keys, layer_values, mask, impl)
+            keys.append(k)
+            values.append(v)
+        return self.norm(hidden), hidden, keys, values
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits ``[..., draft_vocab]``."""
@@ -590,7 +651,7 @@ class Eagle3Draft(nn.Module):
             doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = _positions_within_docs(doc_ids)
-        context = TTTContext(doc_ids, self.attn_implementation)
+        context = TTTContext(doc_ids, self.attn_implementation, num_layers=len(self.layers))
         hidden = self.fuse(aux_hidden)
         # Every step's embeddings and RoPE at once (the host dispatches each operation once, not once per step):
         # step k reads the rows of x_{t+1+k} (ids past the end read id 0; their loss is masked) at position
@@ -624,7 +685,8 @@ class Eagle3Draft(nn.Module):
         p = self.fc.weight
         return DraftCache(batch_size=batch_size, max_len=max_len, num_kv_heads=self.config.num_key_value_heads,
                           head_dim=self.config.head_dim, device=device or p.device, dtype=dtype or p.dtype,
-                          attn_implementation=self.attn_implementation)  # fmt: skip
+                          attn_implementation=self.attn_implementation,
+                          num_layers=self.config.num_hidden_layers)  # fmt: skip
 
 
 def _positions_within_docs(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -782,7 +782,10 @@ def train(
     loader_embeddings: bool | None = None,
     norm_before_residual: bool = False,
     norm_before_fc: bool = False,
+    fc_norm: bool = False,
     norm_output: bool = False,
+    draft_arch: Literal["llama", "qwen3"] = "llama",
+    num_layers: int = 1,
     intermediate_size: int | None = None,
     num_attention_heads: int | None = None,
     num_key_value_heads: int | None = None,
@@ -845,9 +848,18 @@ def train(
         loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
             up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
             Kimi-K2.5's; default: on for offline training on CUDA with loader workers and without --dist fsdp).
-        norm_before_residual: layout flag: residual = hidden_norm(h) (speculators' default; SGLang cannot serve it).
-        norm_before_fc: layout flag: RMSNorm over the concatenated aux states before fc.
-        norm_output: layout flag: feed the normed output to the next step.
+        norm_before_residual: layout variant: residual = hidden_norm(h) (speculators' default; served by vLLM, by no
+            SGLang release).
+        norm_before_fc: layout variant: one RMSNorm over the three concatenated aux states before fc (gpt-oss
+            drafts; served by vLLM >= 0.19.0 and SGLang >= 0.5.17).
+        fc_norm: layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before fc; excludes
+            --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).
+        norm_output: layout variant (EAGLE-3.1): the next step reads the normed output instead of the pre-norm
+            one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).
+        draft_arch: the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head
+            before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).
+        num_layers: draft decoder layers: the first reads the token embedding and the hidden state, each later one
+            the previous layer's output (served by vLLM >= 0.11.1 and SGLang >= 0.5.12).
         intermediate_size: draft MLP width (default: the verifier's).
         num_attention_heads: draft query heads (default: the verifier's; MLA verifiers: as many).
         num_key_value_heads: draft KV heads (default: the verifier's; MLA verifiers: 8).
@@ -934,7 +946,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
     try:
         cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=len(d2t), aux_layer_ids=layer_ids,
                                         norm_before_residual=a["norm_before_residual"],
-                                        norm_before_fc=a["norm_before_fc"], norm_output=a["norm_output"], **overrides)  # fmt: skip
+                                        norm_before_fc=a["norm_before_fc"], fc_norm=a["fc_norm"],
+                                        norm_output=a["norm_output"], draft_arch=a["draft_arch"],
+                                        num_hidden_layers=a["num_layers"], **overrides)  # fmt: skip
     except (ValueError, KeyError) as e:
         raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
     if a["dist"] == "fsdp" and a["optimizer"] == "muon" and d.active:

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from eyas.model import DraftConfig, Eagle3Draft  # noqa: E402
 
 H, V, N = 256, 1024, 512
+# every draft variant that combines: EAGLE-3.1's norms, a Qwen3-style layer, two layers
+VARIANTS = {"fc_norm": True, "norm_output": True, "draft_arch": "qwen3", "num_hidden_layers": 2}
 
 
 def _draft(impl: str, seed: int = 0, **over) -> Eagle3Draft:
@@ -63,7 +65,7 @@ def _close(a, b, what):
 
 
 @pytest.mark.parametrize("T", [256, 200])  # a multiple of flex's 128-token block, and a ragged one
-@pytest.mark.parametrize("layout", [{}, {"norm_before_residual": True, "norm_output": True}])
+@pytest.mark.parametrize("layout", [{}, {"norm_before_residual": True, "norm_output": True}, VARIANTS])
 def test_flex_equals_sdpa_forward_and_grad(T, layout):
     ids, aux, doc = _inputs(2, T)
     out_f, g_f = _run(_draft("flex", **layout), ids, aux, doc, steps=3)
@@ -105,8 +107,9 @@ def test_gradient_checkpointing_compiled_flex_equals_stored():
         _close([got[1][name]], [ref[1][name]], f"grad {name}")
 
 
-@pytest.mark.parametrize("mode", ["plain", "checkpointing", "deferred"])
-def test_working_weights_compiled_equal_autocast(mode):
+@pytest.mark.parametrize(("mode", "layout"), [("plain", {}), ("checkpointing", {}), ("deferred", {}),
+                                             ("deferred", VARIANTS)])
+def test_working_weights_compiled_equal_autocast(mode, layout):
     """Training's working weights (bf16 copies cast once, fp32 weight gradients accumulated by the matmuls),
     compiled, against plain autocast: the same outputs and gradients within bf16 tolerance; and both against an
     fp64 run, where the working weights' gradients must be at least as close as autocast's (fp32 accumulation).
@@ -118,8 +121,8 @@ def test_working_weights_compiled_equal_autocast(mode):
 
     ids, aux, doc = _inputs(2, 256)
     doc = doc.clamp(min=0)  # no padding queries: flex and the fp64 SDPA reference treat those differently
-    ref = _run(_draft("flex"), ids, aux, doc, steps=3)
-    model = _draft("flex")
+    ref = _run(_draft("flex", **layout), ids, aux, doc, steps=3)
+    model = _draft("flex", **layout)
     exact = copy.deepcopy(model).double()
     # as train() sets it up: fc runs once per forward, not once per TTT step, so it keeps no copy and never defers
     use_working_weights(model, torch.bfloat16, skip=(model.lm_head,), cast_per_call=(model.fc,))
@@ -127,7 +130,8 @@ def test_working_weights_compiled_equal_autocast(mode):
     model.gradient_checkpointing = mode == "checkpointing"
     for _ in range(2):
         if mode == "deferred":
-            assert begin_deferred_wgrad(model, uses=3, lead_shape=tuple(ids.shape)) == 7  # q k v o gate up down
+            layers = model.config.num_hidden_layers  # q k v o gate up down in each
+            assert begin_deferred_wgrad(model, uses=3, lead_shape=tuple(ids.shape)) == 7 * layers
         got = _run(model, ids, aux, doc, steps=3)
     _close(got[0], ref[0], "outputs")
     exact.attn_implementation = "sdpa"
