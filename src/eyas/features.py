@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, atomic_path, read_manifest, sha256_file
+from eyas.manifest import MANIFEST, atomic_path, folder_stage, read_manifest, sha256_file, write_manifest
 
 FORMAT = "eyas-features/1"
 STAGE = "extract"
@@ -389,6 +389,30 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- speculators' layout
 
+#: The stage recorded in the manifest of a folder :func:`write_speculators` wrote (only such a folder is replaced).
+SPECULATORS_STAGE = "extract --speculators-out"
+#: What that folder holds: ``datasets``' ``save_to_disk`` files, the per-row states, the manifest.
+_SPECULATORS_ENTRIES = ("hidden_states", "state.json", "dataset_info.json", "data-*.arrow", MANIFEST)
+
+
+def check_speculators_out(out: str | os.PathLike, *, features: str | os.PathLike) -> None:
+    """Refuse a ``--speculators-out`` that writing would destroy: a file, the features folder or a folder
+    around it, or a folder holding anything but the layout an earlier run wrote there (the write replaces the
+    whole folder)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--speculators-out {out} is a file, not a folder: choose another --speculators-out")
+    here, feats = out.resolve(), Path(features).resolve()
+    if here == feats or here in feats.parents:
+        raise EyasError(f"--speculators-out {out} would replace the features in {features}: give speculators' "
+                        "layout a folder of its own")  # fmt: skip
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    strays = [p.name for p in sorted(out.iterdir()) if not any(p.match(g) for g in _SPECULATORS_ENTRIES)]
+    if folder_stage(out) != SPECULATORS_STAGE or strays:
+        raise EyasError(f"--speculators-out {out} holds files eyas did not write there ({(strays or [MANIFEST])[0]}, "
+                        "...); the write replaces the whole folder: choose a new or empty one")  # fmt: skip
+
 
 def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) -> Path:
     """Re-write finished features in speculators' offline layout (speculators 0.9.0, ``train/data.py``).
@@ -400,10 +424,12 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
     for row ``i`` with ``hidden_states`` ``[T, 4, H]`` (3 aux + last, as vLLM
     writes them) and ``token_ids`` int64 ``[T]``. fp8 features are decoded to
     bfloat16 (speculators' fp8 files use a per-token scale that ours do not
-    have); other dtypes are kept.
+    have); other dtypes are kept. A ``manifest.json`` marks the folder as this layout, which a rerun replaces
+    (:func:`check_speculators_out` refuses any other folder).
     """
     import datasets
 
+    check_speculators_out(out, features=features)
     reader = FeatureReader(features)
     dtype = torch.bfloat16 if reader.storage_dtype == "fp8" else STORAGE_DTYPES[reader.storage_dtype]
     out = Path(out)
@@ -430,4 +456,6 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
         )
         ds.set_format("torch")
         ds.save_to_disk(str(tmp))
+        write_manifest(tmp, stage=SPECULATORS_STAGE, inputs={"features": str(features)},
+                       settings={"dtype": str(dtype).removeprefix("torch.")}, outputs={"rows": len(reader)})  # fmt: skip
     return out

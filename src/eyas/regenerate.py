@@ -99,8 +99,10 @@ def regenerate(
     from eyas.data import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
     from eyas.evaluate import device_and_dtype
+    from eyas.manifest import check_out
     from eyas.verifier import fingerprint, load_tokenizer, resolve
 
+    check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
     if max_new_tokens < 1:
         raise EyasError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
