@@ -1,6 +1,7 @@
 """Real outputs of every stage on the tiny Llama, each made once on first use, for tests of what a stage does
-when it is pointed at another stage's folder or at a damaged copy of one; and :func:`tree`, a folder's
-contents by hash, to show that a refused command left a folder byte for byte as it was."""
+when it is pointed at another stage's folder or at a damaged copy of one (the ``made`` fixture); :func:`tree`,
+a folder's contents by hash, to show that a refused command left a folder byte for byte as it was; and
+:func:`refused`, a command's one-line error."""
 
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ def tree(root: Path) -> dict[str, str]:
         rel = str(p.relative_to(root))
         out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+def refused(capsys, argv: list[str], *names: str, alone: bool = True) -> str:
+    """Run ``eyas ARGV`` in this process: it exits with the usage-error code (2), no traceback, its error one line
+    naming each of ``names``; with ``alone``, that line is all it printed (a refusal before any work).
+    Returns the line."""
+    from eyas.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    line = err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    assert line.startswith(f"eyas {argv[0]}: error: ") and (not alone or err == line + "\n"), err
+    for name in names:
+        assert name in line, line
+    return line
 
 
 class Outputs:
@@ -73,11 +91,14 @@ class Outputs:
         extract(verifier=self.verifier, data=str(self.prepared), out=str(self.root / "features"), dtype="fp32")
         return self.root / "features"
 
+    def train_args(self, out: Path) -> dict:
+        """The arguments :attr:`draft` was trained with, into ``out``: two steps on the features."""
+        return dict(verifier=self.verifier, data=str(self.features), vocab=str(self.vocab), out=str(out), epochs=1,
+                    max_steps=2, max_seq_len=64, num_workers=0, log_every=1, warmup_steps=1, val_ratio=0.25)
+
     @functools.cached_property
     def draft(self) -> Path:
         from eyas.train import train
 
-        train(verifier=self.verifier, data=str(self.features), vocab=str(self.vocab), out=str(self.root / "draft"),
-              epochs=1, max_steps=2, max_seq_len=64, num_workers=0, log_every=1, warmup_steps=1,
-              val_ratio=0.25)  # fmt: skip
+        train(**self.train_args(self.root / "draft"))
         return self.root / "draft"

@@ -7,33 +7,12 @@ import os
 import shutil
 
 import pytest
-from stage_outputs import Outputs, tree
+from stage_outputs import refused, tree
 
 from eyas.cli import main as cli_main
 from eyas.errors import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def made(make_tiny, tmp_path_factory):
-    return Outputs(tmp_path_factory.mktemp("made"), make_tiny("llama").path)
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _refused(capsys, argv: list[str], *names: str) -> str:
-    """Run ``eyas ARGV``: the usage-error exit code and one line naming each of ``names``, nothing else."""
-    capsys.readouterr()
-    assert cli_main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"eyas {argv[0]}: error: ") and "Traceback" not in err, err
-    for name in names:
-        assert name in err, err
-    return err
 
 
 # --------------------------------------------------------------------------- extract --speculators-out
@@ -45,14 +24,14 @@ def test_speculators_out_never_replaces_a_folder_eyas_did_not_write_there(made, 
     parent = tmp_path / "sp"
     (parent / "other").mkdir(parents=True)
     (parent / "other" / "k.txt").write_text("keep")
-    feat = _copy(made.features, parent / "feat")
+    feat = shutil.copytree(made.features, parent / "feat")
     (tmp_path / "file.bin").write_bytes(b"\x00keep")
     a = ["extract", "--verifier", made.verifier, "--data", str(made.prepared), "--device", "cpu", "--dtype", "fp32"]
     before = tree(tmp_path)
-    _refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(parent)], str(parent))
-    _refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(feat)], str(feat))
-    _refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(tmp_path / "file.bin")], "file.bin")
-    _refused(capsys, [*a, "--out", str(tmp_path / "new"), "--speculators-out", str(parent)], str(parent))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(parent)], str(parent))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(feat)], str(feat))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(tmp_path / "file.bin")], "file.bin")
+    refused(capsys, [*a, "--out", str(tmp_path / "new"), "--speculators-out", str(parent)], str(parent))
     assert tree(tmp_path) == before  # not a byte moved, and no features were extracted into new/
     spec = tmp_path / "spec"
     for _ in range(2):  # written, then replaced by the rerun (it is the layout eyas wrote)
@@ -60,14 +39,14 @@ def test_speculators_out_never_replaces_a_folder_eyas_did_not_write_there(made, 
         assert (spec / "hidden_states" / "hs_0.safetensors").is_file()
     (spec / "notes.txt").write_text("mine")  # a file of the user's inside it: no longer only eyas's layout
     before = tree(tmp_path)
-    _refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(spec)], str(spec))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(spec)], str(spec))
     assert tree(tmp_path) == before
 
 
 def test_write_speculators_refuses_the_features_folder_in_python_too(made, tmp_path):
     from eyas.features import write_speculators
 
-    feat = _copy(made.features, tmp_path / "feat")
+    feat = shutil.copytree(made.features, tmp_path / "feat")
     before = tree(tmp_path)
     for dst in (feat, tmp_path):
         with pytest.raises(EyasError, match="speculators"):
@@ -81,18 +60,19 @@ def test_write_speculators_refuses_the_features_folder_in_python_too(made, tmp_p
 def test_vocab_prepare_regenerate_export_refuse_another_stages_folder(made, tmp_path, capsys):
     """vocab into a prepared folder, prepare into a regenerated one (also as its own --data) or into features,
     regenerate and export into a prepared folder: each would have replaced that folder's manifest."""
-    prepared, regenerated = _copy(made.prepared, tmp_path / "prepared"), _copy(made.regenerated, tmp_path / "regen")
-    features = _copy(made.features, tmp_path / "features")
+    prepared = shutil.copytree(made.prepared, tmp_path / "prepared")
+    regenerated = shutil.copytree(made.regenerated, tmp_path / "regen")
+    features = shutil.copytree(made.features, tmp_path / "features")
     v = ["--verifier", made.verifier]
     before = tree(tmp_path)
-    _refused(capsys, ["vocab", "--data", str(prepared), "--out", str(prepared)], str(prepared), "eyas prepare")
-    _refused(capsys, ["prepare", *v, "--data", str(regenerated), "--out", str(regenerated), "--num-proc", "1"],
-             str(regenerated), "eyas regenerate")  # fmt: skip
-    _refused(capsys, ["prepare", *v, "--data", str(made.conversations), "--out", str(features), "--num-proc", "1"],
-             str(features), "eyas extract")  # fmt: skip
-    _refused(capsys, ["regenerate", *v, "--data", str(made.conversations), "--out", str(prepared),
-                      "--max-new-tokens", "2"], str(prepared), "eyas prepare")  # fmt: skip
-    _refused(capsys, ["export", str(made.draft), "--out", str(prepared)], str(prepared), "eyas prepare")
+    refused(capsys, ["vocab", "--data", str(prepared), "--out", str(prepared)], str(prepared), "eyas prepare")
+    refused(capsys, ["prepare", *v, "--data", str(regenerated), "--out", str(regenerated), "--num-proc", "1"],
+            str(regenerated), "eyas regenerate")  # fmt: skip
+    refused(capsys, ["prepare", *v, "--data", str(made.conversations), "--out", str(features), "--num-proc", "1"],
+            str(features), "eyas extract")  # fmt: skip
+    refused(capsys, ["regenerate", *v, "--data", str(made.conversations), "--out", str(prepared),
+                     "--max-new-tokens", "2"], str(prepared), "eyas prepare")  # fmt: skip
+    refused(capsys, ["export", str(made.draft), "--out", str(prepared)], str(prepared), "eyas prepare")
     assert tree(tmp_path) == before
 
 
@@ -103,8 +83,8 @@ def test_an_unfinished_regenerate_folder_is_not_prepared_over(made, tmp_path, ca
     (regen / ".parts" / "0123456789abcdef").mkdir(parents=True)
     (regen / ".parts" / "0123456789abcdef" / "part-00000.records").write_text('{"records": []}')
     before = tree(tmp_path)
-    _refused(capsys, ["prepare", "--verifier", made.verifier, "--data", str(made.conversations), "--out", str(regen),
-                      "--num-proc", "1"], str(regen), "eyas regenerate")  # fmt: skip
+    refused(capsys, ["prepare", "--verifier", made.verifier, "--data", str(made.conversations), "--out", str(regen),
+                     "--num-proc", "1"], str(regen), "eyas regenerate")  # fmt: skip
     assert tree(tmp_path) == before
 
 
@@ -112,7 +92,7 @@ def test_an_own_folder_is_still_rewritten(made, tmp_path):
     """Refusing other stages' folders leaves a stage free to redo its own with other settings."""
     from eyas.vocab import vocab
 
-    out = _copy(made.vocab, tmp_path / "vocab")
+    out = shutil.copytree(made.vocab, tmp_path / "vocab")
     m = vocab(data=str(made.prepared), out=str(out), draft_vocab_size=32)
     assert m["draft_vocab_size"] == 32
 
@@ -122,7 +102,7 @@ def test_prepare_takes_its_lock_before_reading_the_source(made, tmp_path):
     finishing and the later one replacing the other's rows. A source that cannot be read shows the order."""
     from eyas.data import prepare
 
-    out = _copy(made.prepared, tmp_path / "prepared")
+    out = shutil.copytree(made.prepared, tmp_path / "prepared")
     (out / ".eyas.lock").write_text(str(os.getppid()))  # a live process holds it
     before = tree(tmp_path)
     with pytest.raises(EyasError, match="another eyas process"):

@@ -597,7 +597,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     if list(reader.layer_ids) != list(draft.config.aux_layer_ids):
         raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads "
                         f"{draft.config.aux_layer_ids}; extract features with the draft's --layers")  # fmt: skip
-    rows = [r for r in rows if 0 <= r < len(reader)][:max_rows] if rows else list(range(min(max_rows, len(reader))))
+    rows = pick_offline_rows(rows, num_rows=len(reader), max_rows=max_rows)
     norm = build_final_norm(info, dtype=torch.float32, device=str(device))
     head = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
     reached = torch.zeros(steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
@@ -620,6 +620,12 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(steps)]
     return {"features": str(features), "rows": len(rows), "positions": int(reached[0]),
             "conditional_accuracy": cond, "predicted_tau": predicted_tau(cond)}  # fmt: skip
+
+
+def pick_offline_rows(rows: list[int] | None, *, num_rows: int, max_rows: int) -> list[int]:
+    """The feature rows ``--offline`` scores: ``rows`` (the draft's validation rows) that the features hold, else
+    the first ones; at most ``max_rows``."""
+    return [r for r in rows if 0 <= r < num_rows][:max_rows] if rows else list(range(min(max_rows, num_rows)))
 
 
 def _draft_manifest(draft_dir: str) -> dict[str, Any]:
@@ -901,6 +907,12 @@ def evaluate(
         raise EyasError(f"--draft-tokens must be at least 1, got {draft_tokens}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
+    if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
+        from eyas.features import FeatureReader
+
+        feats = FeatureReader(offline)
+        scored = pick_offline_rows(_validation_rows(_draft_manifest(draft)), num_rows=len(feats), max_rows=offline_rows)
+        feats.check_shards(feats.shards_of(scored))
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
                 trust_remote_code=trust_remote_code)  # fmt: skip

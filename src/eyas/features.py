@@ -82,6 +82,12 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 #: Keep at most this many shard files open (memory-mapped) per reader.
 _OPEN_SHARDS = 16
 
+#: Shards whose sha256 this process has checked against their manifest, by (path, size, mtime, expected sha256):
+#: a shard is hashed once, when a reader first opens it, and again only if its file changes. Loader workers
+#: forked after the trainer opened every shard (to read the row lengths) inherit the entries.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+_HASH_THREADS = 8  # hashlib releases the GIL: shards hash in parallel, bound by the disk
+
 
 def shard_name(start: int, end: int) -> str:
     """The file name of the shard holding rows ``[start, end)``."""
@@ -232,8 +238,10 @@ class FeatureReader:
     ``reader[i]`` is row ``i`` of the prepared set as a :class:`FeatureRow`; fp8
     shards are decoded with their scales. Shard files are memory-mapped lazily
     and re-opened after a fork (DataLoader workers each get their own handles).
-    Opening checks that every shard is there with its recorded size; a full
-    hash check is :func:`verify`.
+    Opening the reader checks that every shard is there with its recorded size;
+    opening a shard checks its sha256 against the manifest, once per process
+    and file version (so a shard damaged after extraction stops training with
+    its name instead of training on it). :func:`verify` checks a whole folder.
     """
 
     def __init__(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
@@ -271,6 +279,7 @@ class FeatureReader:
             self._pid = os.getpid()
         f = self._handles.get(k)
         if f is None:
+            self.check_shards([k])
             f = safe_open(str(self.path / self.shards[k]["file"]), framework="pt")
             self._handles[k] = f
             if len(self._handles) > _OPEN_SHARDS:
@@ -281,16 +290,42 @@ class FeatureReader:
             self._cu[k] = f.get_tensor("cu_seqlens")
         return f
 
+    def check_shards(self, shards: list[int] | None = None) -> None:
+        """Hash the shards ``shards`` (default: all) not yet checked in this process, in parallel, and raise
+        naming the first whose sha256 differs from the manifest."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = []
+        for k in range(len(self.shards)) if shards is None else shards:
+            s, p = self.shards[k], self.path / self.shards[k]["file"]
+            st = p.stat()
+            key = (str(p.resolve()), st.st_size, st.st_mtime_ns, s["sha256"])
+            if key not in _VERIFIED:
+                todo.append((p, key))
+        with ThreadPoolExecutor(min(_HASH_THREADS, len(todo) or 1)) as pool:
+            digests = list(pool.map(lambda t: sha256_file(t[0]), todo))
+        for (p, key), digest in zip(todo, digests):
+            if digest != key[3]:
+                raise EyasError(f"feature shard {p} has sha256 {digest[:16]}..., its manifest says {key[3][:16]}...: "
+                                f"it was changed or damaged after extraction; run `eyas extract --verify {self.path}` "
+                                "and extract the damaged shards again")  # fmt: skip
+            _VERIFIED.add(key)
+
     def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < self.num_rows:
             raise IndexError(f"row {i} out of range: {self.path} holds {self.num_rows} rows")
         k = bisect.bisect_right(self._starts, i) - 1
         return k, i - self._starts[k]
 
+    def shards_of(self, rows: list[int]) -> list[int]:
+        """The shards holding ``rows``, ascending."""
+        return sorted({self._locate(i)[0] for i in rows})
+
     @property
     def lengths(self) -> np.ndarray:
         """Tokens per row, int64 ``[num_rows]`` (read from each shard's ``cu_seqlens``)."""
         if self._lengths is None:
+            self.check_shards()  # every shard is opened below: hash them all at once, in parallel
             parts = []
             for k in range(len(self.shards)):
                 self._handle(k)
@@ -457,5 +492,6 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
         ds.set_format("torch")
         ds.save_to_disk(str(tmp))
         write_manifest(tmp, stage=SPECULATORS_STAGE, inputs={"features": str(features)},
-                       settings={"dtype": str(dtype).removeprefix("torch.")}, outputs={"rows": len(reader)})  # fmt: skip
+                       settings={"dtype": str(dtype).removeprefix("torch.")},
+                       outputs={"rows": len(reader)})  # fmt: skip
     return out
