@@ -77,7 +77,7 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]
         cfg = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise EyasError(f"config not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path} is not valid TOML: {e}") from e
     names = [name for name, _ in PIPELINE]
     unknown = [k for k, v in cfg.items() if isinstance(v, dict) and k not in names]
