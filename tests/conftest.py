@@ -60,6 +60,15 @@ def make_tiny(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def made(make_tiny, tmp_path_factory):
+    """Every stage's real output on the tiny Llama, each made on first use (``tests/stage_outputs.py``); tests
+    damage copies, never these."""
+    from stage_outputs import Outputs
+
+    return Outputs(tmp_path_factory.mktemp("made"), make_tiny("llama").path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from eyas.verifier import demo_verifier_path
 

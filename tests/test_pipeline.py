@@ -62,7 +62,7 @@ max_new_tokens = 8
 
 @pytest.mark.parametrize("body, message", [
     ("[prepare]\ndata = 'x'\n[fly]\nx = 1\n", r"unknown key\(s\) \['fly'\]"),
-    ("[vocab]\ndraft_vocab = 3\n", r"\[vocab\] has no argument\(s\) \['draft_vocab'\]"),
+    ("[vocab]\ndraft_vocab = 3\n", r"\[vocab\] draft_vocab is not an argument of `eyas vocab`"),
     ("speed = 3\n[vocab]\n", r"unknown key\(s\) \['speed'\]"),
     ("", "no stage section"),
 ])  # fmt: skip

@@ -310,8 +310,9 @@ def test_resume_after_kill9_is_bit_identical(inputs, tmp_path):
 
 
 def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
-    """A row whose features hold NaN (a corrupted shard): the run stops with a clear message and every
-    checkpoint on disk is finite."""
+    """A row whose features hold NaN (a verifier that overflowed while extracting; the manifest vouches for the
+    shard, so only training can notice): the run stops with a clear message and every checkpoint on disk is
+    finite."""
     import shutil
 
     from safetensors import safe_open
@@ -325,7 +326,13 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
     t = load_file(str(shard))
     a, b = t["cu_seqlens"][7].item(), t["cu_seqlens"][8].item()
     t["hidden_states"][a:b, 0] = float("nan")
-    save_file(t, str(shard), metadata=meta)  # same size: only `eyas extract --verify` (hashes) would notice
+    save_file(t, str(shard), metadata=meta)
+    from eyas.manifest import sha256_file
+
+    m = json.loads((feats / "manifest.json").read_text())
+    next(e for e in m["outputs"]["shards"] if e["file"] == shard.name).update(sha256=sha256_file(shard),
+                                                                             bytes=shard.stat().st_size)
+    (feats / "manifest.json").write_text(json.dumps(m))
     out = tmp_path / "run"
     with pytest.raises(EyasError, match="nan/inf"):
         train(verifier=inputs["verifier"], data=str(feats), vocab=inputs["vocab"], out=str(out), epochs=2,

@@ -251,13 +251,17 @@ def read_tensors(wpath: str | os.PathLike, cfg: DraftConfig) -> dict[str, torch.
     Required: all but ``embed_tokens.weight`` (optional), and ``d2t``/``t2d`` when the draft vocab is the
     whole verifier vocab. A checkpoint for another verifier or a damaged file fails with the key named.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     wpath = Path(wpath)
     if not wpath.is_file():
         raise EyasError(f"{wpath} not found: {wpath.parent} is not a finished draft checkpoint")
-    with safe_open(str(wpath), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(wpath), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:  # a truncated file, a damaged header
+        raise EyasError(f"{wpath} is not a readable safetensors file ({e}); the draft is damaged: train or export "
+                        "it again") from e  # fmt: skip
     check_tensors(tensors, cfg, where=str(wpath))
     return tensors
 

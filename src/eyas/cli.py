@@ -17,12 +17,11 @@ import json
 import os
 import re
 import sys
-import types
 import typing
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 from eyas.errors import EyasError
+from eyas.validate import check_arguments, unwrap_optional
 
 # name -> (module:function, one-line help, positional params, extra flag aliases). A positional param that
 # also has an aliases entry may be given either way (`eyas export SRC` or `eyas export --draft SRC`).
@@ -113,16 +112,6 @@ def _doc_args(fn: Callable) -> dict[str, str]:
     return out
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-        if set(args) <= {str, Path}:
-            return str
-    return tp
-
-
 def _list_of(inner: Any) -> Callable[[str], list]:
     def parse(s: str) -> list:
         return [inner(x) for x in s.replace(" ", "").split(",") if x]
@@ -136,7 +125,7 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
     hints = typing.get_type_hints(fn)
     docs = _doc_args(fn)
     for name, param in _inspect.signature(fn).parameters.items():
-        tp = _unwrap_optional(hints.get(name, str))
+        tp = unwrap_optional(hints.get(name, str))
         help_ = docs.get(name, "").replace("%", "%%")  # argparse %-formats help strings
         required = param.default is _inspect.Parameter.empty
         kwargs: dict[str, Any] = {"help": help_}
@@ -149,7 +138,7 @@ def _add_params(parser: argparse.ArgumentParser, fn: Callable, positional: tuple
                 kwargs["choices"] = list(typing.get_args(tp))
                 kwargs["type"] = type(kwargs["choices"][0])
             elif origin in (list, tuple):
-                inner = _unwrap_optional((typing.get_args(tp) or (str,))[0])
+                inner = unwrap_optional((typing.get_args(tp) or (str,))[0])
                 kwargs["type"] = _list_of(inner if inner in (int, float) else str)
             elif tp in (int, float):
                 kwargs["type"] = tp
@@ -228,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
+        args = check_arguments(fn, args, stage=command)  # ranges and places, before the stage starts
         fn(**args)  # positional on the command line, keywords in Python (stage functions are keyword-only)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)

@@ -394,34 +394,37 @@ def prepare(
         raise EyasError(f"--max-seq-len must be at least 2, got {max_seq_len}")
     if max_samples is not None and max_samples < 1:
         raise EyasError(f"--max-samples must be positive, got {max_samples}")
-    info = resolve(verifier)
-    files, report, named = open_source(data, strict=strict)
-    if named is not None and named.prompt_only:
-        raise EyasError(
-            f"{data} is a prompt-only set (no assistant answers to learn from): "
-            f"have the verifier answer it first (`eyas regenerate --verifier {verifier} --data {data} --out DIR`), "
-            "then prepare DIR"
-        )
-    tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
-    template = ChatTemplate(tok, where=chat_template or info.path)
-    inputs: dict[str, Any] = {
-        "verifier": fingerprint(info),
-        "chat_template_sha256": template.sha256,
-        "data": {"source": report.source, "sha256": source_sha256(files)},
-    }
-    if trust_remote_code:
-        inputs["remote_code"] = remote_code_hashes(info)
-    settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
-                "on_overflow": on_overflow}  # fmt: skip
     out_dir = Path(out)
-    done = (out_dir / PREPARED_ROWS).is_dir()
-    if done and manifest_matches(out_dir, stage="prepare", inputs=inputs, settings=settings):
-        manifest = read_manifest(out_dir, stage="prepare")
-        print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
-        return manifest
-    num_proc = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    # the lock first: a second prepare into this --out stops here, before it reads anything, and another
+    # stage's folder is refused before anything in it changes
+    with OutputLock(out_dir, stage="prepare"):
+        info = resolve(verifier)
+        files, report, named = open_source(data, strict=strict)
+        if named is not None and named.prompt_only:
+            raise EyasError(
+                f"{data} is a prompt-only set (no assistant answers to learn from): "
+                f"have the verifier answer it first "
+                f"(`eyas regenerate --verifier {verifier} --data {data} --out DIR`), then prepare DIR"
+            )
+        tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+        template = ChatTemplate(tok, where=chat_template or info.path)
+        inputs: dict[str, Any] = {
+            "verifier": fingerprint(info),
+            "chat_template_sha256": template.sha256,
+            "data": {"source": report.source, "sha256": source_sha256(files)},
+        }
+        if trust_remote_code:
+            inputs["remote_code"] = remote_code_hashes(info)
+        settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
+                    "on_overflow": on_overflow}  # fmt: skip
+        done = (out_dir / PREPARED_ROWS).is_dir()
+        if done and manifest_matches(out_dir, stage="prepare", inputs=inputs, settings=settings):
+            manifest = read_manifest(out_dir, stage="prepare")
+            print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
+            return manifest
+        num_proc = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                else os.cpu_count() or 1)  # fmt: skip
 
-    with OutputLock(out_dir):
         convs = list(iter_conversations(files, report, max_samples=max_samples, seed=seed))
         job = _Job(template, max_seq_len, on_overflow)
         chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,10 +289,12 @@ def source_sha256(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
 def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8")
 
 
 def _json_stream(path: Path, report: SourceReport, row0: int, chunk: int = 1 << 24) -> Iterator[tuple[int, Any]]:
@@ -339,12 +342,15 @@ _SKIPPED = object()  # a record already reported as malformed: it keeps its row 
 
 def _jsonl(path: Path, report: SourceReport, row0: int) -> Iterator[tuple[int, Any]]:
     row = row0
-    with _open_text(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+    with _open_bytes(path) as f:  # lines decoded one by one: a line that is not UTF-8 is one malformed row
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                report.add("malformed", row, f"{path}:{line_no} is not valid UTF-8 ({e.reason} at byte {e.start})")
+                obj = _SKIPPED
             except json.JSONDecodeError as e:
                 report.add("malformed", row, f"{path}:{line_no} is not valid JSON ({e.msg})")
                 obj = _SKIPPED
@@ -379,11 +385,18 @@ def iter_records(files: list[Path], report: SourceReport) -> Iterator[tuple[int,
             it = _jsonl(path, report, row)
         else:
             it = _json_stream(path, report, row)
-        for r, obj in it:
-            entry["rows"] = r + 1 - entry["first_row"]
-            report.rows_in = r + 1
-            if obj is not _SKIPPED:
-                yield r, obj
+        try:
+            for r, obj in it:
+                entry["rows"] = r + 1 - entry["first_row"]
+                report.rows_in = r + 1
+                if obj is not _SKIPPED:
+                    yield r, obj
+        except UnicodeDecodeError as e:  # (a JSON file: decoded as one stream)
+            raise EyasError(f"{path} is not valid UTF-8 text ({e.reason}) after its record {entry['rows']}: save it "
+                            "as UTF-8") from e  # fmt: skip
+        except (EOFError, OSError, zlib.error) as e:  # a .gz cut short or damaged, a read error
+            raise EyasError(f"{path} cannot be read past its record {entry['rows']} ({e}): it is cut short or "
+                            "damaged; download or write it again") from e  # fmt: skip
         row = entry["first_row"] + entry["rows"]
 
 
@@ -566,10 +579,18 @@ def load_prepared(path: str | os.PathLike):
         raise EyasError(f"{rows_dir} is missing: {path} is not a finished `eyas prepare` output; run it again")
     if manifest.get("outputs", {}).get("rows") == 0:
         raise EyasError(f"{path} holds no rows: there is nothing to train on or count; prepare more data")
-    ds = datasets.load_from_disk(str(rows_dir))
+    try:
+        ds = datasets.load_from_disk(str(rows_dir))
+    except Exception as e:  # noqa: BLE001 (Arrow, JSON and datasets' own errors all mean the same damaged folder)
+        raise EyasError(f"{rows_dir} cannot be read ({type(e).__name__}: {e}); it is damaged: run `eyas prepare` "
+                        "again") from e  # fmt: skip
     missing = [c for c in PREPARED_COLUMNS if c not in ds.column_names]
     if missing:
         raise EyasError(f"{rows_dir} lacks the column(s) {missing}; it was not written by `eyas prepare`")
+    expected = manifest.get("outputs", {}).get("rows")
+    if expected is not None and ds.num_rows != expected:  # an Arrow stream cut at a batch boundary reads short
+        raise EyasError(f"{rows_dir} holds {ds.num_rows} rows, its manifest says {expected}; it is damaged: run "
+                        "`eyas prepare` again")  # fmt: skip
     return ds, manifest
 
 

@@ -465,7 +465,7 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     if list(reader.layer_ids) != list(draft.config.aux_layer_ids):
         raise EyasError(f"{features} holds aux layers {reader.layer_ids}, the draft reads "
                         f"{draft.config.aux_layer_ids}; extract features with the draft's --layers")  # fmt: skip
-    rows = [r for r in rows if 0 <= r < len(reader)][:max_rows] if rows else list(range(min(max_rows, len(reader))))
+    rows = pick_offline_rows(rows, num_rows=len(reader), max_rows=max_rows)
     full = load_head_tensors(info, dtype=torch.float32, device=device).lm_head  # [V, H]
     # the whole head as "draft" rows in target-id order: the targets' argmax is the full-vocab argmax
     head = TargetHead.for_verifier(info, rows=full, draft_target_ids=torch.arange(len(full), device=device),
@@ -490,6 +490,12 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(steps)]
     return {"features": str(features), "rows": len(rows), "row_ids": rows, "positions": int(reached[0]),
             "conditional_accuracy": cond, "predicted_tau": predicted_tau(cond)}  # fmt: skip
+
+
+def pick_offline_rows(rows: list[int] | None, *, num_rows: int, max_rows: int) -> list[int]:
+    """The feature rows ``--offline`` scores: ``rows`` (the draft's validation rows) that the features hold, else
+    the first ones; at most ``max_rows``."""
+    return [r for r in rows if 0 <= r < num_rows][:max_rows] if rows else list(range(min(max_rows, num_rows)))
 
 
 def _draft_manifest(draft_dir: str) -> dict[str, Any]:
@@ -843,6 +849,14 @@ def evaluate(
         raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
     if temperature < 0:
         raise EyasError(f"--temperature must be 0 or more, got {temperature}")
+    offline_rows_from = None
+    if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
+        from eyas.features import FeatureReader
+
+        offline_rows_from = choose_offline_rows(_draft_manifest(draft), offline)  # (rows, kind, why)
+        feats = FeatureReader(offline)
+        feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
+                                                             max_rows=offline_rows)))  # fmt: skip
     plist, source = _as_prompts(prompts, num_prompts=num_prompts, seed=seed)
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
                 trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
@@ -885,7 +899,7 @@ def evaluate(
         report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
                              "prepare used: --chat-template)")  # fmt: skip
     if offline:
-        rows, kind, why = choose_offline_rows(env["draft_manifest"], offline)
+        rows, kind, why = offline_rows_from
         report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
                                              device=dev)  # fmt: skip
         report["offline"].update(rows_from=kind, rows_note=why)

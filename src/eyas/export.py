@@ -153,7 +153,7 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
     if manifest_matches(dst, stage="export", inputs=inputs, settings=settings) and (dst / CONFIG).is_file():
         print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
         return read_manifest(dst, stage="export")
-    with OutputLock(dst):
+    with OutputLock(dst, stage="export"):
         d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
         where = str(src / CONFIG)
         if info is not None:

@@ -648,6 +648,8 @@ def extract(
     missing = [f"--{n}" for n, v in (("verifier", verifier), ("data", data), ("out", out)) if v is None]
     if missing:
         raise EyasError(f"eyas extract needs {', '.join(missing)} (or --verify DIR)")
+    if speculators_out is not None:  # before any work: the layout is written last, over what is there
+        features.check_speculators_out(speculators_out, features=out)
     from eyas import dist as _dist
 
     if device_map is not None and device is not None:

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, atomic_path, read_manifest, sha256_file
+from eyas.manifest import MANIFEST, atomic_path, folder_stage, read_manifest, sha256_file, write_manifest
 
 FORMAT = "eyas-features/1"
 STAGE = "extract"
@@ -82,6 +82,12 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 #: Keep at most this many shard files open (memory-mapped) per reader.
 _OPEN_SHARDS = 16
+
+#: Shards whose sha256 this process has checked against their manifest, by (path, size, mtime, expected sha256):
+#: a shard is hashed once, when a reader first opens it, and again only if its file changes. Loader workers
+#: forked after the trainer opened every shard (to read the row lengths) inherit the entries.
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+_HASH_THREADS = 8  # hashlib releases the GIL: shards hash in parallel, bound by the disk
 
 
 def shard_name(start: int, end: int) -> str:
@@ -233,8 +239,10 @@ class FeatureReader:
     ``reader[i]`` is row ``i`` of the prepared set as a :class:`FeatureRow`; fp8
     shards are decoded with their scales. Shard files are memory-mapped lazily
     and re-opened after a fork (DataLoader workers each get their own handles).
-    Opening checks that every shard is there with its recorded size; a full
-    hash check is :func:`verify`.
+    Opening the reader checks that every shard is there with its recorded size;
+    opening a shard checks its sha256 against the manifest, once per process
+    and file version (so a shard damaged after extraction stops training with
+    its name instead of training on it). :func:`verify` checks a whole folder.
     """
 
     def __init__(self, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> None:
@@ -272,6 +280,7 @@ class FeatureReader:
             self._pid = os.getpid()
         f = self._handles.get(k)
         if f is None:
+            self.check_shards([k])
             f = safe_open(str(self.path / self.shards[k]["file"]), framework="pt")
             self._handles[k] = f
             if len(self._handles) > _OPEN_SHARDS:
@@ -282,16 +291,42 @@ class FeatureReader:
             self._cu[k] = f.get_tensor("cu_seqlens")
         return f
 
+    def check_shards(self, shards: list[int] | None = None) -> None:
+        """Hash the shards ``shards`` (default: all) not yet checked in this process, in parallel, and raise
+        naming the first whose sha256 differs from the manifest."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = []
+        for k in range(len(self.shards)) if shards is None else shards:
+            s, p = self.shards[k], self.path / self.shards[k]["file"]
+            st = p.stat()
+            key = (str(p.resolve()), st.st_size, st.st_mtime_ns, s["sha256"])
+            if key not in _VERIFIED:
+                todo.append((p, key))
+        with ThreadPoolExecutor(min(_HASH_THREADS, len(todo) or 1)) as pool:
+            digests = list(pool.map(lambda t: sha256_file(t[0]), todo))
+        for (p, key), digest in zip(todo, digests):
+            if digest != key[3]:
+                raise EyasError(f"feature shard {p} has sha256 {digest[:16]}..., its manifest says {key[3][:16]}...: "
+                                f"it was changed or damaged after extraction; run `eyas extract --verify {self.path}` "
+                                "and extract the damaged shards again")  # fmt: skip
+            _VERIFIED.add(key)
+
     def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < self.num_rows:
             raise IndexError(f"row {i} out of range: {self.path} holds {self.num_rows} rows")
         k = bisect.bisect_right(self._starts, i) - 1
         return k, i - self._starts[k]
 
+    def shards_of(self, rows: list[int]) -> list[int]:
+        """The shards holding ``rows``, ascending."""
+        return sorted({self._locate(i)[0] for i in rows})
+
     @property
     def lengths(self) -> np.ndarray:
         """Tokens per row, int64 ``[num_rows]`` (read from each shard's ``cu_seqlens``)."""
         if self._lengths is None:
+            self.check_shards()  # every shard is opened below: hash them all at once, in parallel
             parts = []
             for k in range(len(self.shards)):
                 self._handle(k)
@@ -390,6 +425,30 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- speculators' layout
 
+#: The stage recorded in the manifest of a folder :func:`write_speculators` wrote (only such a folder is replaced).
+SPECULATORS_STAGE = "extract --speculators-out"
+#: What that folder holds: ``datasets``' ``save_to_disk`` files, the per-row states, the manifest.
+_SPECULATORS_ENTRIES = ("hidden_states", "state.json", "dataset_info.json", "data-*.arrow", MANIFEST)
+
+
+def check_speculators_out(out: str | os.PathLike, *, features: str | os.PathLike) -> None:
+    """Refuse a ``--speculators-out`` that writing would destroy: a file, the features folder or a folder
+    around it, or a folder holding anything but the layout an earlier run wrote there (the write replaces the
+    whole folder)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--speculators-out {out} is a file, not a folder: choose another --speculators-out")
+    here, feats = out.resolve(), Path(features).resolve()
+    if here == feats or here in feats.parents:
+        raise EyasError(f"--speculators-out {out} would replace the features in {features}: give speculators' "
+                        "layout a folder of its own")  # fmt: skip
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    strays = [p.name for p in sorted(out.iterdir()) if not any(p.match(g) for g in _SPECULATORS_ENTRIES)]
+    if folder_stage(out) != SPECULATORS_STAGE or strays:
+        raise EyasError(f"--speculators-out {out} holds files eyas did not write there ({(strays or [MANIFEST])[0]}, "
+                        "...); the write replaces the whole folder: choose a new or empty one")  # fmt: skip
+
 
 def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) -> Path:
     """Re-write finished features in speculators' offline layout (speculators 0.9.0, ``train/data.py``).
@@ -401,10 +460,12 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
     for row ``i`` with ``hidden_states`` ``[T, 4, H]`` (3 aux + last, as vLLM
     writes them) and ``token_ids`` int64 ``[T]``. fp8 features are decoded to
     bfloat16 (speculators' fp8 files use a per-token scale that ours do not
-    have); other dtypes are kept.
+    have); other dtypes are kept. A ``manifest.json`` marks the folder as this layout, which a rerun replaces
+    (:func:`check_speculators_out` refuses any other folder).
     """
     import datasets
 
+    check_speculators_out(out, features=features)
     reader = FeatureReader(features)
     dtype = torch.bfloat16 if reader.storage_dtype == "fp8" else STORAGE_DTYPES[reader.storage_dtype]
     out = Path(out)
@@ -431,4 +492,7 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
         )
         ds.set_format("torch")
         ds.save_to_disk(str(tmp))
+        write_manifest(tmp, stage=SPECULATORS_STAGE, inputs={"features": str(features)},
+                       settings={"dtype": str(dtype).removeprefix("torch.")},
+                       outputs={"rows": len(reader)})  # fmt: skip
     return out

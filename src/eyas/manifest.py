@@ -187,6 +187,42 @@ def manifest_matches(
     return m.get("stage") == stage and m.get("inputs") == norm(inputs) and m.get("settings") == norm(settings)
 
 
+#: What a stage leaves in its folder before its manifest is written (the work a rerun resumes), so that another
+#: stage pointed at that folder knows it is taken.
+UNFINISHED: dict[str, tuple[str, ...]] = {
+    "prepare": (".parts/*/part-*.arrow",),
+    "regenerate": (".parts/*/part-*.records",),
+    "extract": (".progress-*.json",),
+    "train": ("checkpoints/step-*",),
+}
+
+
+def folder_stage(folder: str | os.PathLike) -> str | None:
+    """The stage whose output ``folder`` holds: its manifest's stage ('' for a manifest.json eyas did not
+    write), else the stage whose unfinished work is in it, else None (a new, empty or unrelated folder)."""
+    p = Path(folder)
+    if (p / MANIFEST).is_file():
+        try:
+            stage = json.loads((p / MANIFEST).read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+            stage = None
+        return stage if isinstance(stage, str) else ""
+    return next((stage for stage, globs in UNFINISHED.items() if any(next(p.glob(g), None) for g in globs)), None)
+
+
+def check_out(out_dir: str | os.PathLike, *, stage: str) -> None:
+    """Refuse an output folder that is a file, or that holds another stage's output, finished or not: writing
+    ``stage``'s output there would replace that stage's manifest or remove its work. A folder of the same stage
+    is the stage's own to redo."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise EyasError(f"--out {p} is a file, not a folder: choose another --out")
+    owner = folder_stage(p)
+    if owner is not None and owner != stage:
+        what = f"the output of `eyas {owner}`" if owner else f"a {MANIFEST} that eyas did not write"
+        raise EyasError(f"--out {p} holds {what}; `eyas {stage}` would replace it: choose another --out")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -201,16 +237,34 @@ class OutputLock:
     """One writer per output directory: ``.eyas.lock`` holds the writer's pid.
 
     A lock left by a dead process (kill -9) is taken over; a live one is an
-    error that names the pid. Use as a context manager.
+    error that names the pid. With ``stage``, a folder holding another stage's
+    output is refused once the lock is held (:func:`check_out`). A directory the
+    lock created is removed again when the writer leaves it empty (a run that
+    stopped at an error). Use as a context manager.
     """
 
-    def __init__(self, out_dir: str | os.PathLike) -> None:
+    def __init__(self, out_dir: str | os.PathLike, *, stage: str | None = None) -> None:
         self.dir = Path(out_dir)
         self.path = self.dir / ".eyas.lock"
+        self.stage = stage
         self._held = False
+        self._created = False
 
     def __enter__(self) -> "OutputLock":
+        if self.stage is not None:
+            check_out(self.dir, stage=self.stage)  # before creating anything (a file there is refused here)
+        self._created = not self.dir.exists()
         self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._take()
+            if self.stage is not None:
+                check_out(self.dir, stage=self.stage)  # again under the lock: nobody writes it meanwhile
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _take(self) -> None:
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -230,7 +284,7 @@ class OutputLock:
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
             self._held = True
-            return self
+            return
         raise EyasError(f"could not take the lock {self.path}; remove it if no eyas process is running")
 
     def __exit__(self, *exc: object) -> None:
@@ -238,6 +292,10 @@ class OutputLock:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self._held = False
+        if self._created:
+            with contextlib.suppress(OSError):  # not empty: the run wrote something, which stays
+                self.dir.rmdir()
+            self._created = False
 
 
 def check_free_disk(path: str | os.PathLike, *, needed: int, what: str) -> None:

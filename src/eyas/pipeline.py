@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.validate import check_arguments
 
 #: The pipeline in order: section name, stage function, and where its inputs and output sit under ``out``.
 PIPELINE: tuple[tuple[str, str], ...] = (
@@ -68,19 +69,24 @@ def run(config: str) -> dict[str, Any]:
 
 def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]]]:
     """Read and check a config without running anything: ``(path, out root, [(stage, function, arguments)])``
-    in pipeline order; a bad key or argument is an error naming it."""
+    in pipeline order. Every section's arguments are checked as the command line's are
+    (:func:`eyas.validate.check_arguments`: names, types, ranges, places), so a bad key or value is an error
+    naming it before the first stage runs."""
     path = Path(config)
     try:
         cfg = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise EyasError(f"config not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path} is not valid TOML: {e}") from e
     names = [name for name, _ in PIPELINE]
     unknown = [k for k, v in cfg.items() if isinstance(v, dict) and k not in names]
     unknown += [k for k, v in cfg.items() if not isinstance(v, dict) and k not in ("out", "verifier")]
     if unknown:
         raise EyasError(f"{path}: unknown key(s) {unknown}; top level takes out, verifier and the sections {names}")
+    bad = [k for k in ("out", "verifier") if k in cfg and not isinstance(cfg[k], str)]
+    if bad:
+        raise EyasError(f"{path}: {bad[0]} must be a string (a path or a name), got {cfg[bad[0]]!r}")
     sections = {k: v for k, v in cfg.items() if isinstance(v, dict)}
     if not sections:
         raise EyasError(f"{path} has no stage section; add one or more of {names}")
@@ -92,14 +98,17 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]
         mod, _, fn_name = target.partition(":")
         fn = getattr(importlib.import_module(mod), fn_name)
         params = _inspect.signature(fn).parameters
-        bad = [k for k in sections[name] if k not in params]
-        if bad:
-            raise EyasError(f"{path}: [{name}] has no argument(s) {bad}; it takes {sorted(params)}")
         args: dict[str, Any] = {k: str(v) for k, v in _wiring(name, root, sections).items() if k in params}
         if "verifier" in params and "verifier" in cfg:
             args["verifier"] = cfg["verifier"]
         args.update(sections[name])
+        args = check_arguments(fn, args, stage=name, label=lambda k, s=name: f"[{s}] {k}", where=str(path))
         plan.append((name, fn, args))
+    outs = [(Path(a["out"]).resolve(), n) for n, _, a in plan if a.get("out")]
+    for i, (out, n) in enumerate(outs):
+        other = next((m for o, m in outs[:i] if o == out), None)
+        if other:
+            raise EyasError(f"{path}: [{other}] and [{n}] both write {out}; give each stage its own out")
     return path, root, plan
 
 

@@ -118,8 +118,10 @@ def regenerate(
     from eyas.data import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
     from eyas.generate import device_and_dtype
+    from eyas.manifest import check_out
     from eyas.verifier import fingerprint, load_tokenizer, resolve
 
+    check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--max-seq-len", max_seq_len),
                         ("--concurrency", concurrency)):  # fmt: skip
         if value < 1:

@@ -591,6 +591,8 @@ class Trainer:
             "step_in_epoch": self.step_in_epoch,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else torch.zeros(0, dtype=torch.uint8),
+            # what the manifest reports: a run killed after its last checkpoint resumes with nothing left to do
+            "metrics": json.dumps({"train": self.last_train, "val": self.last_val, "rates": self.rates}),
         }
         self.saved_step = self.global_step
         path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
@@ -632,6 +634,9 @@ class Trainer:
                        options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
         self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
         self.saved_step = self.global_step
+        metrics = json.loads(state.get("metrics") or "{}")  # (checkpoints from before it was kept: none)
+        self.last_train, self.last_val = metrics.get("train"), metrics.get("val")
+        self.rates = [tuple(r) for r in metrics.get("rates", [])]
         torch.set_rng_state(state["rng"])
         if self.cuda and state["cuda_rng"].numel():
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -822,7 +827,7 @@ def train(
         weight_decay: AdamW weight decay on matrices (norms never decay).
         clip: gradient-norm clip (0: off).
         seed: seeds the draft's init, the validation split and each epoch's packing order.
-        save_every: checkpoint every N optimizer steps (and at each epoch's end).
+        save_every: checkpoint every N optimizer steps (and at each epoch's end; 0: only there).
         keep_checkpoints: how many checkpoints to keep.
         log_every: log metrics (and sync the device) every N steps.
         optimizer: adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head).
@@ -878,10 +883,10 @@ def train(
         return _train(d, **args)
 
 
-def _check_layers(layer_ids: list[int], num_layers: int) -> list[int]:
+def _check_layers(layer_ids: list[int], num_layers: int, *, what: str = "--layers") -> list[int]:
     ids = sorted(int(i) for i in layer_ids)
     if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i < num_layers for i in ids):
-        raise EyasError(f"--layers must be three distinct ids in 1..{num_layers - 1}, got {layer_ids}")
+        raise EyasError(f"{what} must be three distinct ids in 1..{num_layers - 1}, got {layer_ids}")
     return ids
 
 
@@ -935,7 +940,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
             raise EyasError(f"the features in {a['data']} were extracted from another verifier "
                             f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
                             "came from, or run `eyas extract` with this one")  # fmt: skip
-        layer_ids = list(fm["layer_ids"])
+        layer_ids = _check_layers(fm["layer_ids"], info.num_hidden_layers,  # a damaged or hand-made manifest
+                                  what=f"the layer_ids of {Path(a['data']) / MANIFEST}")  # fmt: skip
         if a["layers"] is not None and sorted(a["layers"]) != layer_ids:
             raise EyasError(f"--layers {a['layers']} differs from the layers the features hold ({layer_ids}); "
                             "drop --layers or extract those layers")  # fmt: skip

@@ -398,7 +398,7 @@ def resolve(path: str | os.PathLike) -> VerifierInfo:
             )
     quant = cfg.get("quantization_config") or tcfg.get("quantization_config")
     quantization = "none" if not quant else str(quant.get("quant_method", "unknown"))
-    reasons = _runnable_reasons(text_type, quantization)
+    reasons = _runnable_reasons(text_type, quantization) + _missing_layers(refs, prefix, L, cfg_path)
     return VerifierInfo(
         path=str(ckpt),
         model_type=str(cfg.get("model_type", text_type)),
@@ -469,6 +469,20 @@ def _tied(tcfg: dict[str, Any], cfg: dict[str, Any], text_type: str) -> bool:
 
         return bool(AutoConfig.for_model(text_type).tie_word_embeddings)
     return False
+
+
+def _missing_layers(refs: dict[str, TensorRef], prefix: str, num_layers: int, cfg_path: Path) -> list[str]:
+    """A config that claims decoder layers its weights do not hold (transformers would fill them with random
+    values): the first absent layer, named. Layouts whose layers are not ``{prefix}layers.{i}.`` are left to the
+    check after loading (:func:`check_loaded`)."""
+    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    present = {int(m.group(1)) for k in refs if (m := pattern.match(k))}
+    absent = [i for i in range(num_layers) if i not in present]
+    if not present or not absent:
+        return []
+    return [f"{cfg_path} says num_hidden_layers={num_layers} but the weights hold no {prefix}layers.{absent[0]}.* "
+            f"({len(absent)} of the {num_layers} layers are absent); the checkpoint is incomplete or its config does "
+            "not belong to it"]
 
 
 def _runnable_reasons(text_type: str, quantization: str) -> list[str]:
@@ -721,7 +735,7 @@ def build_text_model(
 
     if not info.runnable:
         raise EyasError(f"eyas cannot run the verifier {info.path}: {'; '.join(info.reasons)}")
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False, "output_loading_info": True}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
@@ -730,17 +744,19 @@ def build_text_model(
         kwargs["max_memory"] = max_memory
     with _quiet_transformers():
         if info.gguf_file:
-            model = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file, **kwargs)
+            model, loading = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file,
+                                                                  **kwargs)  # fmt: skip
         else:
             cfg = transformers_text_config(info)
             q = _text_quantization_config(info, packed=packed)
             if q:
                 cfg.quantization_config = q
-            model = AutoModelForCausalLM.from_pretrained(
+            model, loading = AutoModelForCausalLM.from_pretrained(
                 info.checkpoint_dir, config=cfg, key_mapping=key_mapping(info), **kwargs
             )
             if q:
                 _cast_renamed_quantized(model, dtype)
+    check_loaded(model, loading, where=info.path)
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval()
@@ -767,6 +783,24 @@ def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
             for name, t in held.items():
                 if name in names and cast(name, t):
                     held[name] = t.to(dtype)
+
+
+def check_loaded(model, loading: dict[str, Any], *, where: str) -> None:
+    """Refuse a model that transformers had to complete: a weight the checkpoint lacks (a config that claims more
+    than its weights hold, a shard cut short) would otherwise run with random values, and two runs would give
+    different results. ``loading`` is ``from_pretrained``'s ``output_loading_info``; the first missing key is
+    named in the model's order (transformers' names, after the prefix is remapped)."""
+    missing = set(loading.get("missing_keys") or ())
+    mismatched = list(loading.get("mismatched_keys") or ())
+    if missing:
+        first = next((k for k in model.state_dict() if k in missing), min(missing))
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise EyasError(f"the weights of {where} lack {first!r}{more}, which its config needs; the checkpoint is "
+                        "incomplete or its config.json does not belong to it")  # fmt: skip
+    if mismatched:
+        key, *shapes = mismatched[0]
+        raise EyasError(f"the weights of {where} hold {key!r} in another shape than its config implies "
+                        f"({' vs '.join(map(str, shapes))}); the config.json does not belong to the weights")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- tokenizer and identity

@@ -124,7 +124,7 @@ def vocab(
         print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
         return manifest
 
-    with OutputLock(out_dir):
+    with OutputLock(out_dir, stage="vocab"):
         masked, every = count_tokens(ds, V, where=str(data))
         counts = masked if count == "masked" else every
         if counts.sum() == 0:

@@ -1,0 +1,119 @@
+"""Nothing lost: a stage pointed at a folder that is not its own refuses it, before any work, and leaves every
+byte there as it was (the folder's other contents, another stage's output, an unrelated file)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from stage_outputs import refused, tree
+
+from eyas.cli import main as cli_main
+from eyas.errors import EyasError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------- extract --speculators-out
+
+
+def test_speculators_out_never_replaces_a_folder_eyas_did_not_write_there(made, tmp_path, capsys):
+    """A parent folder of the features (with an unrelated file), the features folder itself, an existing file:
+    each is refused before anything runs; a rerun into its own earlier layout replaces that layout."""
+    parent = tmp_path / "sp"
+    (parent / "other").mkdir(parents=True)
+    (parent / "other" / "k.txt").write_text("keep")
+    feat = shutil.copytree(made.features, parent / "feat")
+    (tmp_path / "file.bin").write_bytes(b"\x00keep")
+    a = ["extract", "--verifier", made.verifier, "--data", str(made.prepared), "--device", "cpu", "--dtype", "fp32"]
+    before = tree(tmp_path)
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(parent)], str(parent))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(feat)], str(feat))
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(tmp_path / "file.bin")], "file.bin")
+    refused(capsys, [*a, "--out", str(tmp_path / "new"), "--speculators-out", str(parent)], str(parent))
+    assert tree(tmp_path) == before  # not a byte moved, and no features were extracted into new/
+    spec = tmp_path / "spec"
+    for _ in range(2):  # written, then replaced by the rerun (it is the layout eyas wrote)
+        assert cli_main([*a, "--out", str(feat), "--speculators-out", str(spec)]) == 0
+        assert (spec / "hidden_states" / "hs_0.safetensors").is_file()
+    (spec / "notes.txt").write_text("mine")  # a file of the user's inside it: no longer only eyas's layout
+    before = tree(tmp_path)
+    refused(capsys, [*a, "--out", str(feat), "--speculators-out", str(spec)], str(spec))
+    assert tree(tmp_path) == before
+
+
+def test_write_speculators_refuses_the_features_folder_in_python_too(made, tmp_path):
+    from eyas.features import write_speculators
+
+    feat = shutil.copytree(made.features, tmp_path / "feat")
+    before = tree(tmp_path)
+    for dst in (feat, tmp_path):
+        with pytest.raises(EyasError, match="speculators"):
+            write_speculators(feat, out=dst)
+    assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- another stage's folder
+
+
+def test_vocab_prepare_regenerate_export_refuse_another_stages_folder(made, tmp_path, capsys):
+    """vocab into a prepared folder, prepare into a regenerated one (also as its own --data) or into features,
+    regenerate and export into a prepared folder: each would have replaced that folder's manifest."""
+    prepared = shutil.copytree(made.prepared, tmp_path / "prepared")
+    regenerated = shutil.copytree(made.regenerated, tmp_path / "regen")
+    features = shutil.copytree(made.features, tmp_path / "features")
+    v = ["--verifier", made.verifier]
+    before = tree(tmp_path)
+    refused(capsys, ["vocab", "--data", str(prepared), "--out", str(prepared)], str(prepared), "eyas prepare")
+    refused(capsys, ["prepare", *v, "--data", str(regenerated), "--out", str(regenerated), "--num-proc", "1"],
+            str(regenerated), "eyas regenerate")  # fmt: skip
+    refused(capsys, ["prepare", *v, "--data", str(made.conversations), "--out", str(features), "--num-proc", "1"],
+            str(features), "eyas extract")  # fmt: skip
+    refused(capsys, ["regenerate", *v, "--data", str(made.conversations), "--out", str(prepared),
+                     "--max-new-tokens", "2"], str(prepared), "eyas prepare")  # fmt: skip
+    refused(capsys, ["export", str(made.draft), "--out", str(prepared)], str(prepared), "eyas prepare")
+    assert tree(tmp_path) == before
+
+
+def test_an_unfinished_regenerate_folder_is_not_prepared_over(made, tmp_path, capsys):
+    """A regenerate run that was stopped has parts and no manifest yet; prepare shares the `.parts` folder name
+    and used to delete every part that was not its own."""
+    regen = tmp_path / "regen"
+    (regen / ".parts" / "0123456789abcdef").mkdir(parents=True)
+    (regen / ".parts" / "0123456789abcdef" / "part-00000.records").write_text('{"records": []}')
+    before = tree(tmp_path)
+    refused(capsys, ["prepare", "--verifier", made.verifier, "--data", str(made.conversations), "--out", str(regen),
+                     "--num-proc", "1"], str(regen), "eyas regenerate")  # fmt: skip
+    assert tree(tmp_path) == before
+
+
+def test_an_own_folder_is_still_rewritten(made, tmp_path):
+    """Refusing other stages' folders leaves a stage free to redo its own with other settings."""
+    from eyas.vocab import vocab
+
+    out = shutil.copytree(made.vocab, tmp_path / "vocab")
+    m = vocab(data=str(made.prepared), out=str(out), draft_vocab_size=32)
+    assert m["draft_vocab_size"] == 32
+
+
+def test_prepare_takes_its_lock_before_reading_the_source(made, tmp_path):
+    """Two prepares into one --out: the second stops at once (its source is not even read), instead of both
+    finishing and the later one replacing the other's rows. A source that cannot be read shows the order."""
+    from eyas.data import prepare
+
+    out = shutil.copytree(made.prepared, tmp_path / "prepared")
+    (out / ".eyas.lock").write_text(str(os.getppid()))  # a live process holds it
+    before = tree(tmp_path)
+    with pytest.raises(EyasError, match="another eyas process"):
+        prepare(verifier=made.verifier, data=str(tmp_path / "no-such.jsonl"), out=str(out), num_proc=1)
+    assert tree(tmp_path) == before
+
+
+def test_a_refused_run_leaves_no_empty_folder(made, tmp_path):
+    """An --out that did not exist is not left behind, empty, by a run that stopped with an error."""
+    from eyas.data import prepare
+
+    with pytest.raises(EyasError, match="data not found"):
+        prepare(verifier=made.verifier, data=str(tmp_path / "no-such.jsonl"), out=str(tmp_path / "o"), num_proc=1)
+    assert not (tmp_path / "o").exists()
