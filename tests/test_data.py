@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from eyas import data as D
+from eyas.chat import ChatTemplate
 from eyas.cli import main as cli_main
 from eyas.datasets import load_prepared
 from eyas.errors import EyasError
@@ -132,7 +133,7 @@ def test_smollm2_chatml_masks_are_exact(tmp_path, smollm2_tok):
     assert "You are a helpful AI assistant named SmolLM" in text  # the template's default system prompt: unmasked
     assert manifest["outputs"]["masked_tokens"] == sum(sum(r["loss_mask"]) for r in ds)
     assert manifest["end_of_turn"] == {"token": "<|im_end|>", "id": 2}
-    from eyas.verifier import chat_template_hash
+    from eyas.chat import chat_template_hash
 
     assert manifest["inputs"]["chat_template_sha256"] == chat_template_hash(smollm2_tok)
 
@@ -213,7 +214,8 @@ def test_chat_template_flag_for_a_base_verifier(tmp_path, make_tiny, capsys):
     """A verifier without a chat template is refused with the way forward; --chat-template FILE masks through
     that template (configs/completion.jinja: prompt, then the answer closed by EOS) and records its hash; a
     checkpoint given instead lends its own template, hash and all."""
-    from eyas.verifier import chat_template_hash, load_tokenizer
+    from eyas.chat import chat_template_hash
+    from eyas.verifier import load_tokenizer
 
     base_verifier = C.without_template(make_tiny("llama").path, tmp_path / "base")
     COMPLETION = str(C.COMPLETION)
@@ -358,9 +360,9 @@ def encode_one(template, msgs):
 @pytest.fixture(scope="module")
 def templates(smollm2_tok):
     return {
-        "chatml": D.ChatTemplate(smollm2_tok, where="smollm2"),
-        "llama31": D.ChatTemplate(C.llama31_tokenizer(), where="llama31"),
-        "qwen3": D.ChatTemplate(C.qwen3_tokenizer(), where="qwen3"),
+        "chatml": ChatTemplate(smollm2_tok, where="smollm2"),
+        "llama31": ChatTemplate(C.llama31_tokenizer(), where="llama31"),
+        "qwen3": ChatTemplate(C.qwen3_tokenizer(), where="qwen3"),
     }
 
 

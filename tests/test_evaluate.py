@@ -513,7 +513,7 @@ def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
     from eyas.data import prepare
     from eyas.extract import extract
     from eyas.train import train
-    from eyas.verifier import chat_template_hash
+    from eyas.chat import chat_template_hash
 
     t = make_tiny("llama")
     data = tmp_path / "convs.jsonl"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import eyas.evaluate as ev
-import eyas.generate as gen
+import eyas.chat as chat
 from eyas.datasets import resolve_source
 from eyas.errors import EyasError
 from eyas.generate import SequenceDecoder
@@ -42,11 +42,11 @@ def verifier(make_tiny, monkeypatch, request):
     info = resolve(t.path)
     tok = load_tokenizer(info)
     model = build_text_model(info)
-    real = gen.end_of_turn_ids(tok)
-    first = ev.plain_generate(SequenceDecoder(model, capacity=1024), gen.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
+    real = chat.end_of_turn_ids(tok)
+    first = ev.plain_generate(SequenceDecoder(model, capacity=1024), chat.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
                               max_new_tokens=NEW, eos_ids=set()).tokens  # fmt: skip
     eos = real | {first[3]}
-    monkeypatch.setattr(gen, "end_of_turn_ids", lambda _tok: eos)
+    monkeypatch.setattr(chat, "end_of_turn_ids", lambda _tok: eos)
     return {"path": str(t.path), "tok": tok, "model": model, "eos": eos}
 
 
@@ -59,7 +59,7 @@ def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limi
     for pid, turns in prompts.items():
         messages: list[dict[str, str]] = []
         for turn in turns:
-            ids = gen.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
+            ids = chat.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
             if len(ids) + new > limit:
                 break
             toks = ev.plain_generate(runner, ids, max_new_tokens=new, eos_ids=eos).tokens
@@ -224,7 +224,7 @@ def test_smollm2_answers_both_turns_and_ends_each_itself(smollm2_path, smollm2_m
     assert m["outputs"]["answers"] == 4 and m["outputs"]["cut_at_max_new_tokens"] == 0
     got = _read(tmp_path / "out")
     tok = load_tokenizer(resolve(smollm2_path))
-    want = _reference(smollm2_model, tok, gen.end_of_turn_ids(tok), {str(i): t for i, t in enumerate(turns)},
+    want = _reference(smollm2_model, tok, chat.end_of_turn_ids(tok), {str(i): t for i, t in enumerate(turns)},
                       new=24, limit=2048)  # fmt: skip
     assert got == want
     for conv, numbers in zip(want.values(), (["4", "6"], ["10", "2"])):  # both turns answered, and rightly

@@ -11,7 +11,8 @@ import torch
 
 import tiny
 from eyas.errors import EyasError
-from eyas.verifier import build_final_norm, build_text_model, fingerprint, load_head_tensors, load_tokenizer, resolve
+from eyas.verifier import build_final_norm, build_text_model, load_head_tensors, load_tokenizer, resolve
+from eyas.verifier_info import fingerprint
 
 ALL = list(tiny.BUILDERS)
 

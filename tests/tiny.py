@@ -324,7 +324,7 @@ def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verif
 
     from eyas.datasets import PREPARED_ROWS
     from eyas.manifest import atomic_path, write_manifest
-    from eyas.verifier import fingerprint, resolve
+    from eyas.verifier_info import fingerprint, resolve
 
     info = resolve(verifier)
     ds = datasets.Dataset.from_dict(

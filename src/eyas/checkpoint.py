@@ -304,7 +304,8 @@ def load_draft(path: str | os.PathLike, *, verifier: Any = None, device: str | t
     if "embed_tokens.weight" not in tensors:
         if verifier is None:
             raise EyasError(f"{wpath} has no embed_tokens.weight; pass the verifier so eyas can borrow its embedding")
-        from eyas.verifier import VerifierInfo, load_head_tensors, resolve
+        from eyas.verifier import load_head_tensors
+        from eyas.verifier_info import VerifierInfo, resolve
 
         info = verifier if isinstance(verifier, VerifierInfo) else resolve(verifier)
         if (info.vocab_size, info.hidden_size) != (cfg.vocab_size, cfg.target_hidden_size or cfg.hidden_size):

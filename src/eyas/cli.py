@@ -13,7 +13,6 @@ import argparse
 import gc
 import importlib
 import inspect as _inspect
-import json
 import os
 import re
 import sys
@@ -26,8 +25,8 @@ from eyas.validate import check_arguments, unwrap_optional
 # name -> (module:function, one-line help, positional params, extra flag aliases). A positional param that
 # also has an aliases entry may be given either way (`eyas export SRC` or `eyas export --draft SRC`).
 COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]] = {
-    "inspect": ("eyas.cli:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it",
-                ("path",), {}),
+    "inspect": ("eyas.verifier_info:inspect", "describe a verifier checkpoint (dir, GGUF or 'smollm2') without "
+                "loading it", ("path",), {}),
     "plan": ("eyas.plan:plan", "from a verifier's config alone: its memory packed and in bf16, GPUs, feature bytes, "
              "offline or online, GPU-hours", ("verifier",), {}),
     "regenerate": ("eyas.regenerate:regenerate", "answer a dataset's prompts with the verifier itself, for prepare "
@@ -48,47 +47,6 @@ COMMANDS: dict[str, tuple[str, str, tuple[str, ...], dict[str, tuple[str, ...]]]
     "run": ("eyas.pipeline:run", "run the stages a TOML config lists, in order, resumably", ("config",), {}),
     "demo": ("eyas.pipeline:demo", "run the whole pipeline on SmolLM2 at CPU scale", (), {}),
 }  # fmt: skip
-
-
-def inspect(path: str, *, json_out: bool = False) -> dict[str, Any]:
-    """Describe a verifier: its text model, where the embedding, head and final norm live, and whether eyas can run it.
-
-    Reads ``config.json`` and safetensors headers only (or GGUF metadata); never imports checkpoint code.
-
-    Args:
-        path: a checkpoint directory, a .gguf file, 'smollm2' (the demo verifier) or a hub id.
-        json_out: print one JSON object instead of a table.
-    """
-    from eyas.verifier import resolve
-
-    info = resolve(path)
-    summary = info.summary()
-    if json_out:
-        print(json.dumps(summary, indent=2))
-        return summary
-    rows = [
-        ("path", info.path),
-        ("model_type", info.model_type + (f"  (text model under '{info.text_config_key}')" if info.text_config_key else "")),
-        ("text model_type", info.text_model_type),
-        ("hidden_size", info.hidden_size),
-        ("num_hidden_layers", info.num_hidden_layers),
-        ("vocab_size", info.vocab_size),
-    ]
-    for name, ref in (("embedding", info.embed), ("output head", info.lm_head), ("final norm", info.norm)):
-        if ref is None:
-            rows.append((name, "tied to the embedding"))
-        else:
-            rows.append((name, f"{ref.key}  [{', '.join(map(str, ref.shape))}] {ref.dtype}  in {ref.file}"))
-    rows += [
-        ("quantization", info.quantization),
-        ("aux layer ids", info.aux_layer_ids),
-        ("remote code", "present, never imported" if info.has_remote_code else "none"),
-        ("runnable", "yes" if info.runnable else "no: " + "; ".join(info.reasons)),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return summary
 
 
 # --------------------------------------------------------------------------- signature -> argparse

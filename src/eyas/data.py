@@ -42,6 +42,7 @@ from typing import Any, Iterator, Literal
 import numpy as np
 import pyarrow as pa
 
+from eyas.chat import ChatTemplate, TemplateSplitError
 from eyas.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.errors import EyasError
 from eyas.manifest import (
@@ -57,70 +58,6 @@ from eyas.manifest import (
 CHUNK = 128  # conversations per task handed to a worker
 PART = 32  # chunks per part file on disk: the unit an interrupted run resumes from
 CHARS_PER_TOKEN_CAP = 8  # a long row is first tokenized up to max_seq_len * 8 characters (see _encode_chunk)
-PROBE_Q, PROBE_A = "eyas probe: a question?", "eyas probe: an answer."
-
-
-class TemplateSplitError(Exception):
-    """The template rendered this conversation in a way eyas cannot split at turn boundaries."""
-
-
-class ChatTemplate:
-    """The verifier's chat template, probed once: how each assistant turn is delimited in the rendered text."""
-
-    def __init__(self, tokenizer, *, where: str) -> None:
-        from eyas.verifier import NO_TEMPLATE_HINT, chat_template_hash, control_tokens, end_of_turn_token
-
-        if not getattr(tokenizer, "chat_template", None):
-            raise EyasError(f"the tokenizer of {where} has no chat template; eyas masks turns through it: "
-                            f"{NO_TEMPLATE_HINT}")  # fmt: skip
-        self.tok = tokenizer
-        self.where = where
-        self.sha256 = chat_template_hash(tokenizer)
-        self.control_re = control_tokens(tokenizer)
-        probe = [{"role": "user", "content": PROBE_Q}, {"role": "assistant", "content": PROBE_A}]
-        full = self.render(probe)
-        k = full.find(PROBE_A)
-        if k < 0:
-            raise EyasError(f"the chat template of {where} drops the assistant's text ({full!r}); eyas cannot mask it")
-        eot = end_of_turn_token(tokenizer, full, PROBE_A)
-        if eot is None:
-            raise EyasError(
-                f"the chat template of {where} writes no control token after an assistant message "
-                f"(it renders {full[k:]!r}), so eyas cannot tell where an assistant turn ends; "
-                "use a template that closes each turn with an end-of-turn token"
-            )
-        self.eot = eot
-        self.eot_id = tokenizer.convert_tokens_to_ids(self.eot)
-        try:  # two exchanges: the second must split where the first did
-            self.spans(probe + [{"role": "user", "content": PROBE_Q + " 2"}, {"role": "assistant", "content": PROBE_A}])
-        except TemplateSplitError as e:
-            raise EyasError(f"the chat template of {where} cannot be split at turn boundaries: {e}") from None
-
-    def render(self, messages: list[dict[str, str]], *, generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character span ``[start, end)`` of every assistant turn,
-        from just after its generation prompt to the end of its end-of-turn token."""
-        text = self.render(messages)
-        spans: list[tuple[int, int]] = []
-        for m, msg in enumerate(messages):
-            if msg["role"] != "assistant":
-                continue
-            prompt = self.render(messages[:m], generation_prompt=True)
-            if not text.startswith(prompt):
-                at = next((i for i, (x, y) in enumerate(zip(prompt, text)) if x != y), min(len(prompt), len(text)))
-                raise TemplateSplitError(
-                    f"the prompt for message {m} (rendered alone with the generation prompt) is not how the full "
-                    f"conversation begins: they differ at character {at} ({prompt[at:at + 40]!r} vs "
-                    f"{text[at:at + 40]!r})"
-                )
-            a = len(prompt)
-            b = text.find(self.eot, a)
-            if b < 0 or (spans and a < spans[-1][1]):
-                raise TemplateSplitError(f"no {self.eot!r} closes assistant message {m}")
-            spans.append((a, b + len(self.eot)))
-        return text, spans
 
 
 # --------------------------------------------------------------------------- tokenizing (runs in workers)
@@ -388,7 +325,8 @@ def prepare(
     """
     import datasets
 
-    from eyas.verifier import fingerprint, load_tokenizer, remote_code_hashes, resolve
+    from eyas.verifier import load_tokenizer, remote_code_hashes
+    from eyas.verifier_info import fingerprint, resolve
 
     if max_seq_len < 2:
         raise EyasError(f"--max-seq-len must be at least 2, got {max_seq_len}")

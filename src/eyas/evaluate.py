@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
+from eyas.chat import encode_prompt, end_of_turn_ids
 from eyas.errors import EyasError
-from eyas.generate import SequenceDecoder, device_and_dtype, encode_prompt, end_of_turn_ids
+from eyas.generate import SequenceDecoder, device_and_dtype
 from eyas.model import DraftConfig, Eagle3Draft
 
 
@@ -761,7 +762,9 @@ def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = 
     """Load what a measurement needs once: the verifier (info, model, tokenizer with the chat template prompts are
     rendered with, end-of-turn ids) and the draft (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
     from eyas.checkpoint import load_draft
-    from eyas.verifier import NO_TEMPLATE_HINT, build_text_model, load_tokenizer, resolve
+    from eyas.chat import NO_TEMPLATE_HINT
+    from eyas.verifier import build_text_model, load_tokenizer
+    from eyas.verifier_info import resolve
 
     dev, dt = device_and_dtype(device, dtype)
     info = resolve(verifier)
@@ -842,7 +845,7 @@ def evaluate(
             prepared with.
     """
     from eyas.manifest import versions, write_json
-    from eyas.verifier import chat_template_hash
+    from eyas.chat import chat_template_hash
 
     Ks = [draft_tokens] if isinstance(draft_tokens, int) else list(dict.fromkeys(int(k) for k in draft_tokens))
     if not Ks or min(Ks) < 1:

@@ -142,7 +142,7 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         raise EyasError(f"unknown --from {from_format!r}: use 'eagle' or 'speculators'")
     if dtype not in DTYPES:
         raise EyasError(f"unknown --dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    from eyas.verifier import fingerprint, resolve
+    from eyas.verifier_info import fingerprint, resolve
 
     info = resolve(verifier) if verifier else None
     sources = _source_files(src, from_format)
@@ -510,7 +510,7 @@ def _without_default_width(cfg: DraftConfig) -> DraftConfig:
 
 def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
     """What was written, after reading it back: the written files must parse to the same draft."""
-    from eyas.verifier import read_safetensors_header
+    from eyas.locate import read_safetensors_header
 
     header = read_safetensors_header(dst / WEIGHTS)  # names and shapes only: the data was just written
     if format == "eagle":

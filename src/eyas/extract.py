@@ -666,7 +666,8 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     from eyas.datasets import load_prepared, prepared_verifier
     from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
                                write_json, write_manifest)
-    from eyas.verifier import build_text_model, fingerprint, resolve
+    from eyas.verifier import build_text_model
+    from eyas.verifier_info import fingerprint, resolve
 
     if dtype not in STORAGE_DTYPES:
         raise EyasError(f"--dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")

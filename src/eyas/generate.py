@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 from eyas.errors import EyasError
 
+# bench/ scripts import these names from this module
+from eyas.chat import encode_prompt, end_of_turn_ids  # noqa: F401, E402
+
 #: The name the slot attention is registered under in transformers' AttentionInterface.
 ATTENTION = "eyas_slots"
 
@@ -651,35 +654,7 @@ def decode_all(model, requests: Iterable[Request], **kwargs: Any) -> list[Comple
     return out  # type: ignore[return-value]
 
 
-# --------------------------------------------------------------------------- prompts, stops and settings
-
-
-def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The chat template applied as the verifier's tokenizer ships it (no second BOS: the template writes it),
-    ending with the generation prompt: the ids a decoder continues."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """The ids that end an assistant turn: the control token the chat template writes right after an
-    assistant message (``<|im_end|>`` in ChatML) plus the tokenizer's EOS.
-
-    Passed explicitly to every decoding loop: on the GPU machine, ``generate`` on the GGUF SmolLM2 ran past
-    ``<|im_end|>`` when left to its defaults.
-    """
-    from eyas.verifier import end_of_turn_token
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    answer = "eyas probe answer"
-    with contextlib.suppress(Exception):  # a template that cannot render the probe still leaves the EOS
-        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
-        eot = end_of_turn_token(tokenizer, tokenizer.apply_chat_template(probe, tokenize=False), answer)
-        if eot is not None:
-            ids.add(tokenizer.convert_tokens_to_ids(eot))
-    if not ids:
-        raise EyasError("the verifier's tokenizer has no EOS token and its chat template no end-of-turn token")
-    return ids
+# --------------------------------------------------------------------------- settings
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

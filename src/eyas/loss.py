@@ -130,7 +130,8 @@ class TargetHead:
         """The head of the verifier ``info`` (:func:`eyas.verifier.resolve`) as its own forward applies it: its
         final-norm module and its family's :class:`LogitScaling`, over the given head rows (already on
         ``device`` in ``dtype``). Training's targets and ``eyas eval --offline`` both build theirs here."""
-        from eyas.verifier import build_final_norm, transformers_text_config
+        from eyas.verifier import build_final_norm
+        from eyas.verifier_info import transformers_text_config
 
         return cls(norm=build_final_norm(info, dtype=dtype, device=str(device)), rows=rows,
                    draft_target_ids=draft_target_ids, rest=rest, rest_ids=rest_ids,

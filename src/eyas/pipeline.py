@@ -120,9 +120,9 @@ def demo(*, out: str = "runs/demo") -> None:
     Args:
         out: the directory every stage writes under.
     """
-    from eyas.cli import inspect
     from eyas.data import prepare
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
+    from eyas.verifier_info import inspect
     from eyas.vocab import vocab
 
     root = Path(out)
@@ -157,7 +157,7 @@ def demo_regenerate(*, out: Path) -> dict:
     import json
 
     from eyas.regenerate import CONVERSATIONS, regenerate
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
 
     print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (first turns, <= 64 tokens) -> {out}")
     manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_turns=1,
@@ -173,7 +173,7 @@ def demo_train(*, root: Path) -> dict:
     """The demo's training step: a draft for SmolLM2 from the extracted features, a few steps only (a CPU-sized
     taste: a real draft trains for epochs on a GPU), written as a speculators checkpoint to ``ROOT/draft``."""
     from eyas.train import train
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
 
     print(f"\n== eyas train: a draft for SmolLM2 from {root / 'features'}, 16 steps of 512 tokens -> {root / 'draft'}")
     return train(verifier=DEMO_VERIFIER, data=str(root / "features"), vocab=str(root / "vocab"),
@@ -186,7 +186,7 @@ def demo_extract(*, prepared: Path, out: Path) -> dict:
     """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
     then a hash check of every shard (what a user runs before a long training job)."""
     from eyas.extract import extract
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
 
     print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
     manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
@@ -198,7 +198,7 @@ def ship(*, out: str) -> None:
     """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
     EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
     from eyas.export import export
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
 
     print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
     export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
@@ -210,7 +210,7 @@ def demo_eval(*, draft: str, features: Path | None, out: Path) -> dict:
     tau and acceptance, the lossless check against plain greedy decoding, and (with features) the tau that
     the draft's accuracy on them predicts, side by side."""
     from eyas.evaluate import evaluate
-    from eyas.verifier import DEMO_VERIFIER
+    from eyas.locate import DEMO_VERIFIER
 
     kind = "an untrained (random) draft: expect tau near 1" if draft == "random" else f"the draft in {draft}"
     print(f"\n== eyas eval: speculative decoding on SmolLM2 with {kind}, 1 MT-Bench question (both turns) -> {out}")

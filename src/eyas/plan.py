@@ -136,7 +136,7 @@ def count_tensors(text_model_type: str, text_config: dict[str, Any], quantizatio
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eyas.verifier import config_for
+    from eyas.locate import config_for
 
     cfg = config_for(text_model_type, text_config)
     with torch.device("meta"):
@@ -185,7 +185,7 @@ def header_bytes(path: Path, top: str, num_bits: int) -> tuple[int, int] | None:
     the checkpoint has no weights. Only keys under ``top`` (a wrapper's ``language_model.``) count, so a vision
     tower is left out. A ``weight_packed`` int32 tensor holds ``32 / num_bits`` weights per element; its
     scales and shape are companions with no dense counterpart."""
-    from eyas.verifier import weight_refs
+    from eyas.locate import weight_refs
 
     try:
         refs = weight_refs(path)
@@ -210,7 +210,7 @@ def header_bytes(path: Path, top: str, num_bits: int) -> tuple[int, int] | None:
 def verifier_memory(verifier: str | Path) -> dict[str, Any]:
     """The verifier's weights: bytes packed and in bf16, parameters, active parameters per token, and the
     packed bytes per decoder layer (for the split over GPUs)."""
-    from eyas.verifier import read_config, text_model_type
+    from eyas.locate import read_config, text_model_type
 
     path = Path(verifier)
     cfg, key, text = read_config(path)

@@ -115,11 +115,12 @@ def regenerate(
             a Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; its sha256 is recorded. With
             --server the server renders them: start it with the same template (vLLM, SGLang: --chat-template).
     """
-    from eyas.data import ChatTemplate
+    from eyas.chat import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
     from eyas.generate import device_and_dtype
     from eyas.manifest import check_out
-    from eyas.verifier import fingerprint, load_tokenizer, resolve
+    from eyas.verifier import load_tokenizer
+    from eyas.verifier_info import fingerprint, resolve
 
     check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
     for flag, value in (("--max-new-tokens", max_new_tokens), ("--max-seq-len", max_seq_len),
@@ -386,7 +387,8 @@ class LocalBackend:
 
     def __init__(self, model, tok, *, max_new_tokens: int, max_seq_len: int, batch_tokens: int, temperature: float,
                  seed: int) -> None:  # fmt: skip
-        from eyas.generate import BatchDecoder, RequestQueue, end_of_turn_ids
+        from eyas.chat import end_of_turn_ids
+        from eyas.generate import BatchDecoder, RequestQueue
 
         # a verifier with a shorter context than --max-seq-len answers what fits its context
         max_seq_len = min(max_seq_len, getattr(model.config, "max_position_embeddings", None) or max_seq_len)
@@ -401,7 +403,8 @@ class LocalBackend:
         self._early: list[tuple[int, Answer]] = []
 
     def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
-        from eyas.generate import Request, encode_prompt
+        from eyas.chat import encode_prompt
+        from eyas.generate import Request
 
         ids = encode_prompt(self.tok, messages)
         if len(ids) + self.max_new_tokens > self.max_seq_len:

