@@ -254,7 +254,7 @@ def test_compiled_draft_equals_eager_on_cpu(variant):
     """compile_draft (each TTT step's layer, attention included, and final norm as one compiled region) computes
     what the eager draft computes, forward and gradients, with and without gradient checkpointing; a new batch's
     documents (a new context, mask and key lists) reuse the compiled graphs instead of recompiling."""
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     torch.manual_seed(12)
     B, T, steps = 2, 24, 3
@@ -285,7 +285,7 @@ def test_compiled_draft_equals_eager_on_cpu(variant):
 def test_flex_in_the_compiled_layer_equals_sdpa_on_cpu():
     """Flex attention traced inside the compiled layer region (forward: torch has no flex backward on CPU; the
     GPU tests check gradients) equals SDPA with the dense mask, across two batches without recompiling."""
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     torch.manual_seed(13)
     B, T, steps = 2, 32, 3

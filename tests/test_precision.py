@@ -15,7 +15,7 @@ import torch
 
 from eyas.model import DraftConfig, Eagle3Draft
 from eyas.precision import WorkingLinear, use_working_weights
-from eyas.train import clip_gradients
+from eyas.optim import clip_gradients
 
 H = 32
 
@@ -163,7 +163,7 @@ def test_deferred_weight_gradients_equal_autograd():
 def test_deferred_weight_gradients_compiled_equal_eager():
     """The compiled TTT regions with deferred weight gradients (the sinks and kept inputs cross the region's
     boundary) give eager autograd's gradients, and a second batch reuses the compiled graphs."""
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     ref = _draft()
     work = copy.deepcopy(ref)
@@ -181,7 +181,7 @@ def test_deferred_weight_gradients_bf16_working_copies_equal_per_use():
     """bf16 working copies and fp32 masters (the GPU's dtypes; on CPU each bf16 product is rounded before the
     fp32 sum on both paths): deferred and per-use weight gradients are identical eager; compiled they agree to
     bf16 rounding (the deferred graph materialises other bf16 intermediates than the per-use one)."""
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     for compiled in (False, True):
         ref = _draft()
@@ -206,7 +206,7 @@ def _fused_adamw_run(monkeypatch, *, interpret: bool):
     """Three steps of FusedAdamW over a draft with bf16 working copies (two groups, a changed lr, the clip as
     grad_scale), beside torch's AdamW on an identical copy; returns both."""
     from eyas.precision import FusedAdamW
-    from eyas.train import build_optimizers
+    from eyas.optim import build_optimizers
 
     if interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -17,7 +17,8 @@ import torch
 import tiny
 from eyas.errors import EyasError
 from eyas.batches import pack_rows, plan_epoch, row_counts
-from eyas.train import STATE_FILE, checkpoint_dirs, train
+from eyas.train import train
+from eyas.trainer import STATE_FILE, checkpoint_dirs
 
 COMMON = dict(max_seq_len=64, num_workers=0, log_every=2, warmup_steps=2)
 
@@ -347,7 +348,7 @@ def test_failed_checkpoint_write_keeps_the_last_one_and_resumes(inputs, tmp_path
     """The third checkpoint's write fails as a full disk fails torch.save (its zip writer raises RuntimeError):
     a clear error naming the checkpoint and the free space, nothing half-written beside the complete ones, and the
     same command then resumes from the newest complete checkpoint."""
-    import eyas.train as train_mod
+    import eyas.trainer as trainer_mod
 
     args = dict(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], out=str(tmp_path / "run"),
                 epochs=1, max_steps=4, val_ratio=0.0, save_every=1, **COMMON)  # fmt: skip
@@ -360,10 +361,10 @@ def test_failed_checkpoint_write_keeps_the_last_one_and_resumes(inputs, tmp_path
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 705083904 vs 705083792")
         return real_save(obj, f, *a, **kw)
 
-    monkeypatch.setattr(train_mod.torch, "save", failing_save)
+    monkeypatch.setattr(trainer_mod.torch, "save", failing_save)
     with pytest.raises(EyasError, match=r"writing checkpoint .*step-00000003 failed .* GiB free .*step-00000002"):
         train(**args)
-    monkeypatch.setattr(train_mod.torch, "save", real_save)
+    monkeypatch.setattr(trainer_mod.torch, "save", real_save)
     out = tmp_path / "run"
     assert [p.name for p in checkpoint_dirs(out)] == ["step-00000001", "step-00000002"]
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary left

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tiny
-from eyas.train import STATE_FILE, checkpoint_dirs, train
+from eyas.train import train
+from eyas.trainer import STATE_FILE, checkpoint_dirs
 
 ARGS = dict(epochs=1, max_seq_len=64, num_workers=0, log_every=2, val_ratio=0.1, warmup_steps=2, lr=3e-4)
 

@@ -77,7 +77,7 @@ def test_flex_equals_sdpa_forward_and_grad(T, layout):
 
 
 def test_compiled_draft_equals_eager():
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     eager = _run(_draft("flex"), ids, aux, doc, steps=3)
@@ -93,7 +93,7 @@ def test_compiled_draft_equals_eager():
 def test_gradient_checkpointing_compiled_flex_equals_stored():
     """Recomputing each TTT step in backward, with the compiled layer and compiled flex attention, gives the
     stored-activation run's outputs and gradients."""
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     ref = _run(_draft("flex"), ids, aux, doc, steps=3)
@@ -117,7 +117,7 @@ def test_working_weights_compiled_equal_autocast(mode, layout):
     import copy
 
     from eyas.precision import begin_deferred_wgrad, use_working_weights
-    from eyas.train import compile_draft
+    from eyas.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     doc = doc.clamp(min=0)  # no padding queries: flex and the fp64 SDPA reference treat those differently
@@ -228,7 +228,7 @@ def test_fused_adamw_kernel_equals_torch_fused_adamw():
     import copy
 
     from eyas.precision import FusedAdamW, WorkingLinear, use_working_weights
-    from eyas.train import build_optimizers, clip_gradients
+    from eyas.optim import build_optimizers, clip_gradients
 
     ours = _draft("flex")
     use_working_weights(ours, torch.bfloat16, skip=(ours.lm_head,), cast_per_call=(ours.fc,))
