@@ -9,18 +9,21 @@ import pytest
 import torch
 
 import eyas.evaluate as ev
-from eyas.evaluate import (
+import eyas.speculative as speculative
+from eyas.chat import encode_prompt, end_of_turn_ids
+from eyas.evaluate import random_draft
+from eyas.generate import SequenceDecoder
+from eyas.loss import implied_tau
+from eyas.measure import _divergence
+from eyas.offline import offline_accuracy, ttt_chain_lengths
+from eyas.speculative import (
     DraftRunner,
     acceptance_stats,
     plain_generate,
-    predicted_tau,
-    random_draft,
     speculative_generate,
-    ttt_chain_lengths,
     verify_greedy,
     verify_sampled,
 )
-from eyas.generate import SequenceDecoder
 from eyas.verifier import build_text_model, forward_hidden_states, load_tokenizer, resolve
 
 PROMPTS = ["Tell me about dogs.", "What is 2+2?", "Write some python code"]
@@ -126,14 +129,14 @@ def test_verify_sampled_follows_the_target_distribution():
 # --------------------------------------------------------------------------- statistics
 
 
-def test_acceptance_stats_and_predicted_tau():
+def test_acceptance_stats_and_implied_tau():
     s = acceptance_stats([0, 3, 1, 3, 2, 0], 3)
     assert s["accepted_length_histogram"] == [2, 1, 1, 2]
     assert s["tau"] == pytest.approx((0 + 3 + 1 + 3 + 2 + 0 + 6) / 6)
     assert s["acceptance_per_position"] == pytest.approx([4 / 6, 3 / 6, 2 / 6])  # unconditional
     assert s["conditional_acceptance_per_position"] == pytest.approx([4 / 6, 3 / 4, 2 / 3])
-    # tau = 1 + sum_k P(first k+1 accepted) = 1 + sum of the unconditional rates = predicted_tau(conditional)
-    assert predicted_tau(s["conditional_acceptance_per_position"]) == pytest.approx(s["tau"])
+    # tau = 1 + sum_k P(first k+1 accepted) = 1 + sum of the unconditional rates = implied_tau(conditional)
+    assert implied_tau(s["conditional_acceptance_per_position"]) == pytest.approx(s["tau"])
     assert acceptance_stats([], 2)["tau"] == 0.0
 
 
@@ -152,8 +155,8 @@ def setups(make_tiny):
         info = resolve(t.path)
         model = build_text_model(info)
         tok = load_tokenizer(info)
-        eos = ev.end_of_turn_ids(tok)
-        prompts = [ev.encode_prompt(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
+        eos = end_of_turn_ids(tok)
+        prompts = [encode_prompt(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
         # Fitted draft: a short TTT fit on the verifier's own greedy answers to these prompts (their first 24
         # tokens), so acceptance is high there and falls off past them: rounds with 0, some and all K accepted.
         base = _verifier(model, None)
@@ -381,12 +384,12 @@ def test_sampled_speculative_decoding_follows_the_verifier():
     p_ok, stats = pvalue()
     assert p_ok > 1e-3, (p_ok, stats)
     assert 0.15 < stats["acceptance_per_position"][0] < 0.9  # partial acceptance: both branches are exercised
-    orig = ev.verify_sampled
-    ev.verify_sampled = _broken_resample_from_p
+    orig = speculative.verify_sampled
+    speculative.verify_sampled = _broken_resample_from_p
     try:
         p_bad, _ = pvalue()
     finally:
-        ev.verify_sampled = orig
+        speculative.verify_sampled = orig
     assert p_bad < 1e-5, p_bad
 
 
@@ -396,9 +399,9 @@ def test_sampled_speculative_decoding_follows_the_verifier():
 def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
     info = resolve(smollm2_path)
     tok = load_tokenizer(info)
-    eos = ev.end_of_turn_ids(tok)
+    eos = end_of_turn_ids(tok)
     assert tok.convert_tokens_to_ids("<|im_end|>") in eos
-    ids = ev.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
+    ids = encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])
     draft = random_draft(info, seed=0)
     spec = _verifier(smollm2_model, draft.config.aux_layer_ids)
     base = _verifier(smollm2_model, None)
@@ -448,7 +451,7 @@ def test_offline_prediction_from_features(setups, tmp_path):
     prep = tiny.write_prepared(tmp_path / "prep", rows, verifier=t.path)
     feats = tmp_path / "features"
     extract(verifier=str(t.path), data=str(prep), out=str(feats), dtype="fp32", device="cpu")
-    off = ev.offline_accuracy(draft, info, feats, steps=K)
+    off = offline_accuracy(draft, info, feats, steps=K)
     reached, right = [0] * K, [0] * K
     for ids, mask in rows:
         seq = torch.tensor(ids)
@@ -463,7 +466,7 @@ def test_offline_prediction_from_features(setups, tmp_path):
                     right[k] += n > k
     assert off["positions"] == reached[0] and off["rows"] == len(rows)
     assert off["conditional_accuracy"] == pytest.approx([r / n for r, n in zip(right, reached)])
-    assert off["predicted_tau"] == pytest.approx(predicted_tau(off["conditional_accuracy"]))
+    assert off["predicted_tau"] == pytest.approx(implied_tau(off["conditional_accuracy"]))
     assert off["predicted_tau"] > 1.5
     report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=8,
                          offline=str(feats))  # fmt: skip
@@ -565,7 +568,7 @@ def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):
     def accept_all(target_logits, draft_tokens):
         return torch.full(draft_tokens.shape[:1], draft_tokens.shape[1]), target_logits[:, -1].argmax(-1)
 
-    monkeypatch.setattr(ev, "verify_greedy", accept_all)
+    monkeypatch.setattr(speculative, "verify_greedy", accept_all)
     report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=12,
                          recheck_fp32=True)  # fmt: skip
     # 12 tokens: the prefill's, then 3 rounds of K + 1 of which the last keeps 3
@@ -585,8 +588,8 @@ def test_a_near_tie_is_told_from_a_real_difference(setups):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
     runner_up = int(logits.topk(2).indices[1])
-    assert ev._divergence(model, ids, plain, [runner_up], 0)["kind"] == "real"  # fp32: any clear gap is real
-    wide = ev._divergence(model.to(torch.bfloat16), ids, plain, [runner_up], 0)
+    assert _divergence(model, ids, plain, [runner_up], 0)["kind"] == "real"  # fp32: any clear gap is real
+    wide = _divergence(model.to(torch.bfloat16), ids, plain, [runner_up], 0)
     gap = abs(wide["logit_gap"])
     tolerance = 2 * 2**-7 * max(abs(float(logits[plain[0]])), abs(float(logits[runner_up])), 1.0)
     assert wide["kind"] == ("near-tie" if gap <= tolerance else "real")

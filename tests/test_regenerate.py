@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import eyas.evaluate as ev
+import eyas.speculative as speculative
 import eyas.chat as chat
 from eyas.datasets import resolve_source
 from eyas.errors import EyasError
@@ -43,7 +43,7 @@ def verifier(make_tiny, monkeypatch, request):
     tok = load_tokenizer(info)
     model = build_text_model(info)
     real = chat.end_of_turn_ids(tok)
-    first = ev.plain_generate(SequenceDecoder(model, capacity=1024), chat.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
+    first = speculative.plain_generate(SequenceDecoder(model, capacity=1024), chat.encode_prompt(tok, [{"role": "user", "content": TURNS[0][0]}]),
                               max_new_tokens=NEW, eos_ids=set()).tokens  # fmt: skip
     eos = real | {first[3]}
     monkeypatch.setattr(chat, "end_of_turn_ids", lambda _tok: eos)
@@ -62,7 +62,7 @@ def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limi
             ids = chat.encode_prompt(tok, messages + [{"role": "user", "content": turn}])
             if len(ids) + new > limit:
                 break
-            toks = ev.plain_generate(runner, ids, max_new_tokens=new, eos_ids=eos).tokens
+            toks = speculative.plain_generate(runner, ids, max_new_tokens=new, eos_ids=eos).tokens
             finished = toks[-1] in eos
             text = tok.decode(toks[:-1] if finished else toks, skip_special_tokens=True).strip()
             if not text:

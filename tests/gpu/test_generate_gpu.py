@@ -15,7 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.evaluate import Runners, plain_generate, random_draft, speculative_generate  # noqa: E402
+from eyas.evaluate import random_draft  # noqa: E402
+from eyas.measure import Runners  # noqa: E402
+from eyas.speculative import plain_generate, speculative_generate  # noqa: E402
 from eyas.generate import Request, decode_all  # noqa: E402
 from eyas.verifier import build_text_model, resolve  # noqa: E402
 
