@@ -17,9 +17,11 @@ import torch
 
 import tiny
 from eyas import extract as extract_mod
+from eyas import extractor as extractor_mod
 from eyas.cli import main as cli_main
 from eyas.errors import EyasError
-from eyas.extract import extract, plan_batches, plan_shards, plan_windows
+from eyas.extract import extract, plan_shards, plan_windows
+from eyas.extractor import plan_batches
 from eyas.features import FeatureReader, shard_name, verify
 
 EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]
@@ -82,7 +84,7 @@ def test_batched_equals_one_row_at_a_time(make_tiny, tmp_path, monkeypatch):
     common = dict(verifier=str(t.path), data=str(prep), dtype="fp32", shard_tokens=60)
     extract(**common, out=str(tmp_path / "one"), batch_tokens=1)
     extract(**common, out=str(tmp_path / "batched"), batch_tokens=90)
-    monkeypatch.setattr(extract_mod, "PAD_ID", 17)
+    monkeypatch.setattr(extractor_mod, "PAD_ID", 17)
     extract(**common, out=str(tmp_path / "other_pad"), batch_tokens=90)
     assert _shard_bytes(tmp_path / "batched") == _shard_bytes(tmp_path / "other_pad")
     one, batched = FeatureReader(tmp_path / "one"), FeatureReader(tmp_path / "batched")
@@ -136,7 +138,7 @@ def test_streamed_shard_is_standard_safetensors(tmp_path, dtype):
 def test_host_buffers_are_reused_by_identity():
     """Shard buffers come back to the pool and are handed out again (the smallest that fits); the pool keeps at
     most ``keep`` of them, the largest."""
-    from eyas.extract import _HostBuffers
+    from eyas.extractor import _HostBuffers
 
     grain = _HostBuffers.GRAIN
     pool = _HostBuffers(pinned=False, keep=2)
@@ -169,7 +171,8 @@ def test_default_shards_stay_within_shard_bytes():
     within one longest row of it."""
     import numpy as np
 
-    from eyas.extract import SHARD_BYTES, _HostBuffers
+    from eyas.extract import SHARD_BYTES
+    from eyas.extractor import _HostBuffers
     from eyas.features import NUM_STATES, STORAGE_DTYPES, bytes_per_token
 
     rng = np.random.default_rng(0)
@@ -282,7 +285,7 @@ def test_shard_buffers_of_a_run_are_one_size(make_tiny, tmp_path):
     t = make_tiny("llama")
     rows = tiny.random_rows(40, seed=41, lo=2, hi=30)
     source = extract_mod.InMemoryRows(rows)
-    ex = extract_mod.Extractor(build_text_model(resolve(t.path)), layer_ids=[2, 4, 5], dtype="bf16", batch_tokens=64)
+    ex = extractor_mod.Extractor(build_text_model(resolve(t.path)), layer_ids=[2, 4, 5], dtype="bf16", batch_tokens=64)
     ex.buffers.GRAIN = 1  # exact sizes (a GPU run rounds them up to 64 MiB)
     made = []
     acquire = ex.buffers.acquire

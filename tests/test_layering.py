@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "speculative": BASE,
     "measure": BASE,
     "offline": BASE,
+    "extractor": BASE,
     "data": STAGE,
     "regenerate": STAGE,
     "extract": STAGE,
