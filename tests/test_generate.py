@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.generate import BatchDecoder, Request, RequestQueue, decode_all, key_bucket, pick_tokens
+from eyas.generate import BatchDecoder, Request, RequestQueue, decode_all, pick_tokens
+from eyas.slots import key_bucket
 from eyas.verifier import build_text_model, resolve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -182,7 +183,8 @@ def test_compiled_layers_equal_eager(make_tiny):
     """Regional compilation (what the engine records into its CUDA graphs on a GPU): the decoder layers
     compiled, the slot attention a graph break, hidden-state capture hooks outside: the same logits and the
     same captured states as eager layers, for a decoding step of 3 rows at different positions."""
-    from eyas.generate import Slots, compiled_layers, layer_shapes, slot_attention
+    from eyas.graphs import compiled_layers
+    from eyas.slots import Slots, layer_shapes, slot_attention
     from eyas.verifier import HiddenStateCapture
 
     t = make_tiny("qwen3")

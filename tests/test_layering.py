@@ -44,6 +44,8 @@ LAYERS: dict[str, int] = {
     "optim": BASE,
     "train_log": BASE,
     "trainer": BASE,
+    "slots": BASE,
+    "graphs": BASE,
     "generate": BASE,
     "speculative": BASE,
     "measure": BASE,

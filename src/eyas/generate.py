@@ -1,11 +1,10 @@
 """The generation engine: the verifier decodes, for `eyas regenerate` (many requests at once) and `eyas eval`
 (one sequence at a time, speculatively, with rollback), through transformers' own model classes.
 
-What eyas adds is only the attention and its key/value storage. An attention function registered through
-transformers' ``AttentionInterface`` (the documented way to plug one in; the model, its weights, RoPE, norms,
-MoE and head stay transformers') reads and writes per-sequence *slots*: one row of ``[slots, kv_heads,
-capacity, head_dim]`` buffers per sequence. Each sequence keeps its own position, so a finished answer's slot
-takes the next request at once (continuous batching), and rolling a sequence back is moving its position.
+What eyas adds is only the attention and its key/value storage (:mod:`eyas.slots`): an attention function
+registered through transformers' ``AttentionInterface`` reads and writes per-sequence *slots*, so a finished
+answer's slot takes the next request at once (continuous batching), and rolling a sequence back is moving its
+position.
 
 Why not transformers' generation as is (measured on one H200 with SmolLM2, docs/BENCHMARKS.md): ``generate``
 with a static cache holds a batch until its longest answer ends and cannot take a new prompt mid-batch; its
@@ -16,7 +15,8 @@ installed, and they are fetched from the hub, which the GPU machine cannot reach
 Memory is fixed by the settings, not by the data: the key/value buffers are allocated once (``batch_tokens``
 positions in all), a prefill packs at most ``prefill_tokens`` tokens, and a prompt that does not fit a slot is
 answered as too long instead of growing anything. On CUDA every fixed-shape decoding forward is recorded once
-as a CUDA graph (per key length bucket) and replayed, so the host does not dispatch hundreds of kernels a token.
+as a CUDA graph (per key length bucket) and replayed (:mod:`eyas.graphs`), so the host does not dispatch
+hundreds of kernels a token.
 """
 
 from __future__ import annotations
@@ -24,290 +24,18 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from eyas.errors import EyasError
+from eyas.graphs import Graphs
+from eyas.slots import Slots, key_bucket, layer_shapes, slot_attention
 
 # bench/ scripts import these names from this module
 from eyas.chat import encode_prompt, end_of_turn_ids  # noqa: F401, E402
-
-#: The name the slot attention is registered under in transformers' AttentionInterface.
-ATTENTION = "eyas_slots"
-
-#: The key lengths decoding graphs are recorded for: a step attends to the smallest one that covers every
-#: sequence (steps of about 1.5x keep the number of graphs small and the wasted keys under a third).
-_KEY_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
-
-
-def key_bucket(n: int, capacity: int) -> int:
-    """The smallest key length of :data:`_KEY_BUCKETS` (or a multiple of the largest) covering ``n``, at most
-    ``capacity``."""
-    for b in _KEY_BUCKETS:
-        if b >= n:
-            return min(b, capacity)
-    top = _KEY_BUCKETS[-1]
-    return min(-(-n // top) * top, capacity)
-
-
-# --------------------------------------------------------------------------- key/value slots and the attention
-
-
-class Slots:
-    """Key/value buffers for ``slots`` sequences of at most ``capacity`` positions, one pair per layer, plus
-    what the next forward needs to know: where each row's new tokens go.
-
-    A forward runs in one of two layouts:
-
-    - ``rows``: input ``[S, T]``, row ``s`` feeding ``T`` new tokens at positions ``start[s] .. start[s]+T-1``
-      into slot ``s``; each query sees its slot's keys up to its own position (decoding, verification, and a
-      single sequence's prompt);
-    - ``packed``: input ``[1, B * Tp]``, ``B`` prompts right-padded to ``Tp`` tokens, prompt ``b`` filling slot
-      ``targets[b]`` from position 0 (prefill of new requests; causal within each prompt).
-    """
-
-    def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int]], dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
-        self.num_slots, self.capacity = slots, capacity
-        # layers[i] = (kv_heads, key_dim, value_dim) of decoder layer i
-        self.k = [torch.zeros(slots, h, capacity, dk, dtype=dtype, device=device) for h, dk, _ in layers]
-        self.v = [torch.zeros(slots, h, capacity, dv, dtype=dtype, device=device) for h, _, dv in layers]
-        self.rows = torch.arange(slots, device=device)
-        self.layout = "rows"
-        self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
-        self.keys = capacity  # rows layout: key length attended (a bucket >= every query's position + 1)
-        self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
-        self.prompt_len = 0  # packed layout: Tp
-        self._masks: dict[int | None, torch.Tensor] = {}
-
-    @staticmethod
-    def bytes_per_token(layers: list[tuple[int, int, int]], dtype: torch.dtype) -> int:
-        """Key and value bytes one position of one sequence holds over all layers."""
-        return sum(h * (dk + dv) for h, dk, dv in layers) * torch.finfo(dtype).bits // 8
-
-    def begin(self) -> None:
-        """Before each forward: masks are built once per forward and window size, on first use."""
-        self._masks = {}
-
-    def _mask(self, T: int, window: int | None) -> torch.Tensor:
-        """rows layout: ``[S, 1, T, keys]`` bool, key ``j`` visible to new token ``t`` of row ``s`` when
-        ``j <= start[s] + t`` (and, with a sliding window ``W``, ``j > start[s] + t - W``, transformers'
-        ``sliding_window_overlay``)."""
-        if window not in self._masks:
-            j = torch.arange(self.keys, device=self.start.device)
-            q = self.start[:, None] + torch.arange(T, device=self.start.device)  # [S, T]
-            m = j[None, None, :] <= q[:, :, None]  # [S, T, keys]
-            if window is not None:
-                m = m & (j[None, None, :] > q[:, :, None] - window)
-            self._masks[window] = m[:, None]
-        return self._masks[window]
-
-
-#: The slots the registered attention reads and writes during a forward (set by :func:`slot_attention`).
-_ACTIVE: Slots | None = None
-
-
-def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-               softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """transformers' attention-function interface: ``query [B, H, T, dk]`` and ``key [B, kvh, T, dk]``,
-    ``value [B, kvh, T, dv]`` (RoPE applied) of the new tokens -> ``[B, T, H, dv]``. Writes the new keys and
-    values into their slots and attends to the slot's keys (see :class:`Slots`)."""
-    slots = _ACTIVE
-    if slots is None:
-        raise EyasError("internal: the eyas slot attention ran outside eyas.generate.slot_attention")
-    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): another softmax
-        raise EyasError("the eyas generation engine does not support attention sinks (s_aux)")
-    layer = module.layer_idx
-    K, V = slots.k[layer], slots.v[layer]
-    H, kvh = query.shape[1], key.shape[1]
-    G = H // kvh
-    if slots.layout == "packed":
-        B, Tp = slots.targets.shape[0], slots.prompt_len
-        q = query[0].reshape(H, B, Tp, -1).transpose(0, 1)  # [B, H, Tp, dk]
-        k = key[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dk]
-        v = value[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dv]
-        K[slots.targets, :, :Tp] = k.to(K.dtype)
-        V[slots.targets, :, :Tp] = v.to(V.dtype)
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, H, Tp, d]
-        mask = None
-        if sliding_window is not None:
-            i = torch.arange(Tp, device=q.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)  # [Tp, Tp]
-        out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
-        return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
-    S, _, T, _ = query.shape
-    pos = (slots.start[:, None] + torch.arange(T, device=key.device)).clamp(max=slots.capacity - 1)  # [S, T]
-    K[slots.rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
-    V[slots.rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
-    n = slots.keys
-    mask = slots._mask(T, sliding_window)  # [S, 1, T, n]
-    # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
-    # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
-    q = query.reshape(S, kvh, G * T, -1)
-    if T > 1:
-        mask = mask[:, :, None].expand(S, 1, G, T, n).reshape(S, 1, G * T, n)
-    out = _sdpa(q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling,
-                softcap=softcap)  # [S, kvh, G*T, dv]
-    return out.reshape(S, H, T, -1).transpose(1, 2), None
-
-
-def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
-    """Scaled dot-product attention; with ``softcap`` (Gemma-2's ``attn_logit_softcapping``: ``c * tanh(s /
-    c)`` on the scores before the softmax, which SDPA cannot do) written out."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    s = softcap * torch.tanh(s / softcap)
-    if causal:
-        n = q.shape[-2]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s.float(), -1).to(v.dtype) @ v
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    # never traced by torch.compile: its Python reads the slots' current layout and key length
-    AttentionInterface.register(ATTENTION, torch.compiler.disable(_attention))
-
-
-@contextlib.contextmanager
-def slot_attention(model, slots: Slots) -> Iterator[None]:
-    """Run ``model``'s attention through ``slots`` inside the block (transformers' ``set_attn_implementation``;
-    the model's own implementation comes back after)."""
-    global _ACTIVE
-    _register()
-    before = model.config._attn_implementation
-    if not model._can_set_attn_implementation():
-        raise EyasError(f"{type(model).__name__} does not run its attention through transformers' "
-                        "AttentionInterface; the eyas generation engine cannot drive it")  # fmt: skip
-    model.set_attn_implementation(ATTENTION)
-    _ACTIVE = slots
-    try:
-        yield
-    finally:
-        _ACTIVE = None
-        model.set_attn_implementation(before)
-
-
-def layer_shapes(model) -> list[tuple[int, int, int]]:
-    """``(kv_heads, key_dim, value_dim)`` per decoder layer, read off one forward of one token (so every
-    attention variant transformers implements, MLA's wider keys included, is sized by what it really stores)."""
-    seen: dict[int, tuple[int, int, int]] = {}
-
-    def probe(module, query, key, value, attention_mask, **kwargs):
-        seen[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
-        B, H, T, _ = query.shape
-        return query.new_zeros(B, T, H, value.shape[-1]), None
-
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("eyas_probe", probe)
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eyas_probe")
-    try:
-        dev = next(model.parameters()).device
-        with torch.no_grad():
-            model.base_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=False)
-    finally:
-        model.set_attn_implementation(before)
-    if sorted(seen) != list(range(len(seen))):
-        raise EyasError(f"internal: attention layers {sorted(seen)} are not numbered 0..n-1")
-    return [seen[i] for i in range(len(seen))]
-
-
-# --------------------------------------------------------------------------- CUDA graphs
-
-
-class Graphs:
-    """Fixed-shape forwards recorded once as CUDA graphs and replayed (on CUDA; elsewhere, or with
-    ``enabled=False``, they run eagerly).
-
-    ``run(key, fn)`` calls ``fn`` (which reads and writes only tensors that live as long as this object) the
-    first time a key is seen: twice eagerly on a side stream (lazy initialisation must not happen inside a
-    capture), then once under capture. ``fn`` must be idempotent for the state it is called in (it writes the
-    same keys and values each time), which the decoders guarantee by updating their state outside ``fn``.
-    A model whose forward cannot be captured (host synchronisation inside, as MoE routing in some
-    transformers versions does) is run eagerly from then on, after one note.
-
-    With ``compile_model``, the warm-up and capture run that model's decoder layers compiled
-    (:func:`compiled_layers`): the graph then replays fused kernels. At batch size 1 a decoding step is
-    launch-bound (about 50 small kernels a layer eagerly), so fusing them is what makes a step fast.
-    """
-
-    def __init__(self, device: torch.device, *, enabled: bool = True, compile_model=None) -> None:
-        self.enabled = enabled and device.type == "cuda"
-        self.compile_model = compile_model if self.enabled else None
-        self.graphs: dict[Any, tuple[Any, Any]] = {}
-
-    def run(self, key: Any, fn: Callable[[], Any]) -> Any:
-        if not self.enabled:
-            return fn()
-        if key not in self.graphs:
-            with contextlib.ExitStack() as stack:
-                if self.compile_model is not None:
-                    stack.enter_context(compiled_layers(self.compile_model))
-                try:
-                    self.graphs[key] = self._capture(fn)
-                except Exception as e:  # e.g. "operation not permitted when stream is capturing", a compiler error
-                    import sys
-
-                    torch.cuda.synchronize()
-                    if self.compile_model is not None:
-                        print(f"eyas: decoding without torch.compile ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
-                        self.compile_model = None
-                        return self.run(key, fn)
-                    print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
-                          f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
-                    self.enabled = False
-                    return fn()
-        graph, out = self.graphs[key]
-        graph.replay()
-        return out
-
-    @staticmethod
-    def _capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph, out
-
-
-@contextlib.contextmanager
-def compiled_layers(model) -> Iterator[None]:
-    """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
-    (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
-    model; PyTorch's "regional compilation" recipe). The slot attention stays eager (a graph break: it is
-    registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
-    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code."""
-    layers = model.base_model.layers
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # a few shapes (one per decoding length) per layer
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 64))
-    for layer in layers:
-        if "_eyas_compiled" not in layer.__dict__:
-            layer._eyas_compiled = torch.compile(layer.forward, dynamic=False)
-        layer.forward = layer._eyas_compiled  # an instance attribute: shadows the class's forward
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
 
 
 # --------------------------------------------------------------------------- one sequence (eval)

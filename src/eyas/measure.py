@@ -104,12 +104,12 @@ class Runners:
         """Record every graph the timed loops can replay, outside the timing: the plain step and each
         verification length at every key-length bucket up to the capacity, the draft's catch-ups over 1..K+1
         positions and its drafting step. (Eager decoding, as on CPU, has nothing to prepare.)"""
-        from eyas.generate import _KEY_BUCKETS
+        from eyas.slots import KEY_BUCKETS
 
         if not self.base.graphs.enabled:
             return
         cap = self.spec.capacity
-        starts = sorted({min(b, cap) for b in _KEY_BUCKETS if b < cap} | {cap})
+        starts = sorted({min(b, cap) for b in KEY_BUCKETS if b < cap} | {cap})
         Kmax = max(self.draft_tokens)
         ids = torch.arange(1, Kmax + 2, device=self.spec.device)
         for end in starts:

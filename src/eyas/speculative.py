@@ -92,7 +92,7 @@ class DraftRunner:
     """
 
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True) -> None:
-        from eyas.generate import Graphs
+        from eyas.graphs import Graphs
 
         self.draft = draft
         p = draft.fc.weight

@@ -1,0 +1,94 @@
+"""CUDA graphs for decoding: fixed-shape forwards recorded once and replayed, their decoder layers compiled, so
+the host does not dispatch hundreds of kernels a token (at batch size 1 a decoding step is launch-bound)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+class Graphs:
+    """Fixed-shape forwards recorded once as CUDA graphs and replayed (on CUDA; elsewhere, or with
+    ``enabled=False``, they run eagerly).
+
+    ``run(key, fn)`` calls ``fn`` (which reads and writes only tensors that live as long as this object) the
+    first time a key is seen: twice eagerly on a side stream (lazy initialisation must not happen inside a
+    capture), then once under capture. ``fn`` must be idempotent for the state it is called in (it writes the
+    same keys and values each time), which the decoders guarantee by updating their state outside ``fn``.
+    A model whose forward cannot be captured (host synchronisation inside, as MoE routing in some
+    transformers versions does) is run eagerly from then on, after one note.
+
+    With ``compile_model``, the warm-up and capture run that model's decoder layers compiled
+    (:func:`compiled_layers`): the graph then replays fused kernels. At batch size 1 a decoding step is
+    launch-bound (about 50 small kernels a layer eagerly), so fusing them is what makes a step fast.
+    """
+
+    def __init__(self, device: torch.device, *, enabled: bool = True, compile_model=None) -> None:
+        self.enabled = enabled and device.type == "cuda"
+        self.compile_model = compile_model if self.enabled else None
+        self.graphs: dict[Any, tuple[Any, Any]] = {}
+
+    def run(self, key: Any, fn: Callable[[], Any]) -> Any:
+        if not self.enabled:
+            return fn()
+        if key not in self.graphs:
+            with contextlib.ExitStack() as stack:
+                if self.compile_model is not None:
+                    stack.enter_context(compiled_layers(self.compile_model))
+                try:
+                    self.graphs[key] = self._capture(fn)
+                except Exception as e:  # e.g. "operation not permitted when stream is capturing", a compiler error
+                    import sys
+
+                    torch.cuda.synchronize()
+                    if self.compile_model is not None:
+                        print(f"eyas: decoding without torch.compile ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                        self.compile_model = None
+                        return self.run(key, fn)
+                    print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
+                          f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                    self.enabled = False
+                    return fn()
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    @staticmethod
+    def _capture(fn: Callable[[], Any]) -> tuple[Any, Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+
+@contextlib.contextmanager
+def compiled_layers(model) -> Iterator[None]:
+    """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
+    (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
+    model; PyTorch's "regional compilation" recipe). The slot attention stays eager (a graph break: it is
+    registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
+    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code."""
+    layers = model.base_model.layers
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # a few shapes (one per decoding length) per layer
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    for layer in layers:
+        if "_eyas_compiled" not in layer.__dict__:
+            layer._eyas_compiled = torch.compile(layer.forward, dynamic=False)
+        layer.forward = layer._eyas_compiled  # an instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
