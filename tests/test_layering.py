@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "verifier": BASE,
     "chat": BASE,
     "packed": BASE,
+    "attention": BASE,
     "model": BASE,
     "checkpoint": BASE,
     "features": BASE,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.model import DraftCache, DraftConfig, Eagle3Draft, TTTContext, _positions_within_docs
+from eyas.attention import DraftCache, TTTContext
+from eyas.model import DraftConfig, Eagle3Draft, _positions_within_docs
 
 H, V, N = 64, 512, 256
 # Every layout variant vLLM and SGLang serve, one at a time, and all the ones that combine at once.

@@ -15,17 +15,9 @@ loads as is (``vllm/model_executor/models/llama_eagle3.py``)::
 One function, :meth:`Eagle3Draft.step`, is the draft's forward for both
 training-time test (TTT) and inference: what training optimises is exactly
 what ``eyas eval`` measures. The key/value *context* it attends to is the only
-difference, and the context object owns its mask, so a mask in the wrong
-format for a kernel (a ``BlockMask`` in SDPA) cannot be built:
-
-- :class:`TTTContext` (training): step 0 is causal over the sequence (and
-  within one document when rows are packed); step ``k`` queries attend to the
-  step-0 keys at or before their index plus their own diagonal keys from steps
-  ``1..k`` (EAGLE-3, Li et al. 2025, sec. 3.2 "training-time test").
-- :class:`DraftCache` (inference): a KV cache indexed by position, rolled back
-  by truncation after a verification round.
-
-Each decoder layer keeps its own keys and values in both contexts.
+difference, and the context object owns its mask (:mod:`eyas.attention`:
+:class:`~eyas.attention.TTTContext` in training, :class:`~eyas.attention.DraftCache`
+at inference).
 
 Variants that vLLM and SGLang serve (off by default: the plain EAGLE-3 layout loads everywhere):
 ``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output`` (EAGLE-3.1, speculators
@@ -44,12 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-AttnImpl = Literal["eager", "sdpa", "flex"]
-
-
-def default_attn_implementation(device: torch.device | str) -> AttnImpl:
-    """Flex attention with a ``BlockMask`` on CUDA, SDPA with an explicit boolean mask elsewhere."""
-    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+from eyas.attention import AttnImpl, DraftCache, TTTContext, masked_attention
 
 
 @dataclass
@@ -224,199 +211,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(dtype) * x.to(dtype)
-
-
-# --------------------------------------------------------------------------- attention contexts
-
-
-def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-    """Reference attention: explicit scores, mask, fp32 softmax. q [B,h,T,d], k/v [B,h,S,d], mask [B,1,T,S]."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, h, T, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # [B, kv, S, d] -> [B, kv*groups, S, d]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-class TTTContext:
-    """Keys and values of the steps run so far in training-time test, and the mask for the current step.
-
-    Rows may be packed: ``doc_ids [B, T]`` (``-1`` for padding) keeps step-0
-    attention inside one document. Key layout at step ``k``: ``k + 1`` blocks of
-    ``T`` (block 0: step-0 keys, block ``j``: step-``j`` keys), so kv index
-    ``j*T + s`` is step ``j``, sequence index ``s``. Query ``t`` sees block 0 at
-    ``s <= t`` in its document, and blocks ``1..k`` at ``s == t`` only. Each of
-    the ``num_layers`` decoder layers attends to its own keys under that one mask.
-    """
-
-    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl, *, num_layers: int = 1) -> None:
-        self.doc_ids = doc_ids
-        self.impl = attn_implementation
-        self.num_layers = num_layers
-        self.keys: list[list[torch.Tensor]] = []  # [step][layer] -> [B, kv, T, d]
-        self.values: list[list[torch.Tensor]] = []
-        self._block_masks: dict[int, Any] = {}
-        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # (causal, diagonal) blocks, [B, T, T] each
-        self.step = 0  # the TTT step the next layer call belongs to
-
-    def begin(self, step: int) -> None:
-        """Start TTT step ``step``. With activation checkpointing a step is run again during backward: its
-        :meth:`record` then replaces that step's keys and values (equal to the first run's) instead of
-        appending, and :meth:`past` gives the same earlier steps it gave the first time."""
-        if step > len(self.keys):
-            raise ValueError(f"TTT step {step} begun before step {len(self.keys)}")
-        self.step = step
-
-    def _dense_mask(self, k: int) -> torch.Tensor:
-        if self._dense is None:  # built once per context and shared by every step
-            B, T = self.doc_ids.shape
-            idx = torch.arange(T, device=self.doc_ids.device)
-            same_doc = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (self.doc_ids[:, :, None] >= 0)
-            diag = torch.eye(T, dtype=torch.bool, device=idx.device).expand(B, T, T)
-            # A padding query (doc -1) sees only itself: no fully masked row, so SDPA never yields NaN.
-            causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
-            self._dense = (causal, diag)
-        causal, diag = self._dense
-        return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
-
-    def _block_mask(self, k: int):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        if k not in self._block_masks:
-            B, T = self.doc_ids.shape
-            docs = self.doc_ids
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                step, s = kv_idx // T, kv_idx % T
-                causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
-                return torch.where(step == 0, causal, s == q_idx)
-
-            # Compiled, create_block_mask builds the mask block by block in one fused kernel instead of
-            # materialising [B, T, (k+1)T] booleans; torch >= 2.11 deprecates its `_compile` flag for this.
-            build = _compiled_create_block_mask() if docs.device.type == "cuda" else create_block_mask
-            self._block_masks[k] = build(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
-        return self._block_masks[k]
-
-    def past(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """Per layer, the keys and values ``[B, kv, T, d]`` of the steps before the current one."""
-        keys = [[step[i] for step in self.keys[: self.step]] for i in range(self.num_layers)]
-        values = [[step[i] for step in self.values[: self.step]] for i in range(self.num_layers)]
-        return keys, values
-
-    def mask(self):
-        """The current step's mask, in the format its attention takes: a ``BlockMask`` for flex, a dense
-        ``[B, 1, T, (step+1)*T]`` boolean otherwise."""
-        return self._block_mask(self.step) if self.impl == "flex" else self._dense_mask(self.step)
-
-    def record(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep the current step's keys and values ``[B, kv, T, d]`` (one per layer) for the steps after it."""
-        del self.keys[self.step :], self.values[self.step :]  # a recomputed step drops its first run's (equal) keys
-        self.keys.append(list(keys))
-        self.values.append(list(values))
-
-
-def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float,
-                     impl: AttnImpl) -> torch.Tensor:  # fmt: skip
-    """Attention under a context's mask, in the context's implementation. q [B,h,T,d]; keys/values [B,kv,S,d];
-    ``mask``: a ``BlockMask`` for flex, a dense ``[B, 1, T, S]`` boolean otherwise. Returns [B,h,T,d]."""
-    groups = q.shape[1] // keys.shape[1]
-    if impl == "flex":
-        return _flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=groups > 1)
-    keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
-    if impl == "eager":
-        return _eager_attention(q, keys, values, mask, scale)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-
-
-_compiled_flex = None
-_compiled_block_mask = None
-
-
-def _compiled_create_block_mask():
-    """``torch.compile(create_block_mask)``, built once per process."""
-    global _compiled_block_mask
-    if _compiled_block_mask is None:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        _compiled_block_mask = torch.compile(create_block_mask)
-    return _compiled_block_mask
-
-
-def _flex_attention(q, k, v, **kwargs):
-    """flex_attention compiled once per process (uncompiled it materialises the scores); inside a compiled
-    region (the training layer) it is traced as part of that region."""
-    if torch.compiler.is_compiling():
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, **kwargs)
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, **kwargs)
-
-
-class DraftCache:
-    """Inference KV cache indexed by position: slot ``p`` holds the key of position ``p``.
-
-    A query at position ``p`` sees every valid slot ``<= p``. After a
-    verification round, :meth:`truncate` drops rejected positions; accepted
-    ones are then recomputed from the verifier's hidden states (as vLLM does),
-    simply by running :meth:`Eagle3Draft.step` over them again. ``k``/``v``
-    hold every decoder layer's slots, ``[B, num_layers * kv, max_len, d]``:
-    layer ``i``'s heads are ``i*kv .. (i+1)*kv - 1``, so dim 2 is the position
-    whatever the layer count.
-    """
-
-    def __init__(self, *, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attn_implementation: AttnImpl = "sdpa", num_layers: int = 1) -> None:  # fmt: skip
-        if attn_implementation == "flex":
-            attn_implementation = "sdpa"  # decoding a few tokens: a dense mask is cheaper than a BlockMask
-        self.impl = attn_implementation
-        self.num_kv_heads = num_kv_heads
-        shape = (batch_size, num_layers * num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def truncate(self, lengths: torch.Tensor | int) -> None:
-        """Forget every position ``>= lengths`` (per row)."""
-        lengths = torch.as_tensor(lengths, device=self.valid.device).reshape(-1, 1)
-        slots = torch.arange(self.max_len, device=self.valid.device)
-        self.valid &= slots[None, :] < lengths
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               position_ids: torch.Tensor, *, layer: int = 0) -> torch.Tensor:  # fmt: skip
-        """Write decoder layer ``layer``'s k/v ``[B,kv,T,d]`` into the slots of ``position_ids [B,T]``; attend to
-        every valid slot of that layer at or before each query's position."""
-        pos = position_ids
-        # The bound check reads a device value (once per step: every layer writes the same positions); a compiled
-        # or graph-captured decoding loop sizes its cache itself and skips it.
-        capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-        if layer == 0 and not torch.compiler.is_compiling() and not capturing and int(pos.max()) >= self.max_len:
-            raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
-        B, _, T, _ = k.shape
-        rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        heads = slice(layer * self.num_kv_heads, (layer + 1) * self.num_kv_heads)
-        keys, values = self.k[:, heads], self.v[:, heads]  # [B, kv, S, d] views: writes land in the cache
-        keys[rows, :, pos] = k.transpose(1, 2).to(keys.dtype)  # [B, T, kv, d] into slots
-        values[rows, :, pos] = v.transpose(1, 2).to(values.dtype)
-        # shared by the layers (every layer writes the same positions); a device scalar, not a host one: a CUDA graph
-        # cannot record a copy from pageable host memory
-        self.valid[rows, pos] = torch.ones((), dtype=torch.bool, device=pos.device)
-        slots = torch.arange(self.max_len, device=pos.device)
-        mask = (self.valid[:, None, :] & (slots[None, None, :] <= pos[:, :, None]))[:, None]  # [B,1,T,S]
-        return masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, self.impl)
-
 
 # --------------------------------------------------------------------------- modules
 

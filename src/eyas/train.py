@@ -182,7 +182,8 @@ def _check_layers(layer_ids: list[int], num_layers: int, *, what: str = "--layer
 
 def _train(d, **a: Any) -> dict[str, Any]:
     from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
-    from eyas.model import DraftConfig, Eagle3Draft, default_attn_implementation
+    from eyas.attention import default_attn_implementation
+    from eyas.model import DraftConfig, Eagle3Draft
     from eyas.verifier import build_text_model, load_head_tensors
     from eyas.verifier_info import fingerprint, resolve
 
