@@ -12,18 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eyas.datasets import (
-    NAMED_SETS,
     ROLES,
     SourceReport,
     _json_stream,
-    fetch_package_file,
     iter_conversations,
     load_prompts,
-    named_set_path,
     normalize,
     open_source,
 )
 from eyas.errors import EyasError
+from eyas.named_sets import NAMED_SETS, fetch_package_file, named_set_path
 
 
 def conversations_of(path, **kw):

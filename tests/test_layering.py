@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "manifest": BASE,
     "validate": BASE,
     "dist": BASE,
+    "named_sets": BASE,
     "datasets": BASE,
     "remote": BASE,
     "locate": BASE,
