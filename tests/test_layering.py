@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "attention": BASE,
     "model": BASE,
     "checkpoint": BASE,
+    "eagle": BASE,
     "features": BASE,
     "precision": BASE,
     "loss": BASE,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -321,3 +322,47 @@ def load_draft(path: str | os.PathLike, *, verifier: Any = None, device: str | t
     if missing or unexpected:
         raise EyasError(f"{wpath}: could not load {missing or unexpected}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+# --------------------------------------------------------------------------- a draft read from disk
+
+#: Where an EAGLE-layout draft keeps its weights (SpecForge, SGLang; the EAGLE repo's .bin).
+EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass
+class Draft:
+    """A draft read from disk: its geometry, its tensors under eyas's names (``layers.0.*``), and what its
+    config says about the verifier and the number of speculative tokens (None where the layout has no say)."""
+
+    cfg: DraftConfig
+    tensors: dict[str, torch.Tensor]
+    verifier_name: str | None = None
+    verifier_architectures: list[str] = field(default_factory=list)
+    speculative_tokens: int | None = None
+
+
+def draft_files(src: Path, from_format: str | None) -> list[Path]:
+    """The files a draft consists of (weights first), or a clear error naming what is missing."""
+    config = src / CONFIG
+    if not config.is_file():
+        raise EyasError(f"{config} not found: {src} is not a draft checkpoint")
+    names = EAGLE_WEIGHT_FILES if from_format == "eagle" else (WEIGHTS,)
+    for name in names:
+        if (src / name).is_file():
+            return [src / name, config]
+    hint = " (sharded checkpoints are not supported)" if (src / f"{WEIGHTS}.index.json").is_file() else ""
+    raise EyasError(f"{src} has no {' or '.join(names)}{hint}")
+
+
+def read_native(path: str | Path, *, tensors: bool = True) -> Draft:
+    """A draft in eyas's native layout, or as speculators saves it (its embed_tokens, flags, null target size).
+    ``tensors=False`` reads the config only."""
+    cfg, raw = read_draft_config(path)
+    weights = read_tensors(Path(path) / WEIGHTS, cfg) if tensors else {}
+    spec = raw.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    ver = spec.get("verifier") or {}
+    return Draft(cfg, weights, verifier_name=ver.get("name_or_path"),
+                 verifier_architectures=list(ver.get("architectures") or []),
+                 speculative_tokens=methods[0].get("speculative_tokens"))  # fmt: skip
