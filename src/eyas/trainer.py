@@ -7,6 +7,9 @@ to the device on a side stream while the previous step computes), syncs gradient
 (:mod:`eyas.train_log`). Checkpoints (``checkpoints/step-N``: a loadable speculators checkpoint plus
 ``trainer_state.pt`` with the fp32 weights, optimizer state, RNG and data position) are written atomically; a
 rerun resumes from the newest. A non-finite loss or gradient stops the run before anything is saved from it.
+
+(Over 500 lines: :class:`Trainer` is one object whose loop, device pipeline, checkpoints and logs read and write
+the same state, the step counters, the optimizers and the last metrics; split, each part would take it all.)
 """
 
 from __future__ import annotations
