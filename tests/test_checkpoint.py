@@ -31,7 +31,7 @@ def _draft(verifier, N=128, **over) -> Eagle3Draft:
 
 def _save(m, path, **kw):
     return save_draft(path, m, verifier_name_or_path="org/tiny", verifier_architectures=["LlamaForCausalLM"],
-                      speculative_tokens=3, **kw)  # fmt: skip
+                      ttt_steps=3, **kw)  # fmt: skip
 
 
 def test_roundtrip_logits_and_stable_resave(make_tiny, tmp_path):
@@ -44,7 +44,7 @@ def test_roundtrip_logits_and_stable_resave(make_tiny, tmp_path):
     ids = torch.randint(0, tiny.VOCAB, (1, 9))
     aux = torch.randn(1, 9, 3 * tiny.HIDDEN)
     with torch.no_grad():
-        for a, b in zip(m.ttt(ids, aux, steps=2), loaded.ttt(ids, aux, steps=2)):
+        for a, b in zip(m.ttt(ids, aux, ttt_steps=2), loaded.ttt(ids, aux, ttt_steps=2)):
             torch.testing.assert_close(m.compute_logits(a), loaded.compute_logits(b), rtol=0, atol=0)
     _save(loaded, tmp_path / "b")
     for name in ("config.json", "model.safetensors"):

@@ -61,7 +61,7 @@ def _fit(draft, seqs: torch.Tensor, aux: torch.Tensor, target: torch.Tensor, *, 
     T = seqs.shape[1]
     for _ in range(steps):
         loss = 0.0
-        for k, normed in enumerate(draft.ttt(seqs, aux, steps=ttt)):
+        for k, normed in enumerate(draft.ttt(seqs, aux, ttt_steps=ttt)):
             logq = torch.log_softmax(draft.compute_logits(normed[:, : T - 2 - k]), -1)
             tgt = target[:, 1 + k : T - 1]
             loss = loss - ((tgt * logq).sum(-1).mean() if soft else logq.gather(-1, tgt[..., None]).mean())
@@ -317,7 +317,7 @@ def test_ttt_predicts_the_accepted_length_of_every_round(setups):
         aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
         with torch.no_grad():
             greedy = model(seq[None]).logits[0].argmax(-1)
-        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, steps=K)
+        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, ttt_steps=K)
         m = len(ids)  # position of the last emitted token at the start of round 0
         for a in out.accepted:
             if m - 1 < lengths.shape[0]:  # the sequence covers this round's K + 1 positions
@@ -420,7 +420,7 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
 
     t, info, model, eos, prompts, drafts = setups("llama")
     draft_dir = save_draft(tmp_path / "draft", drafts["fitted"], verifier_name_or_path=str(t.path),
-                           verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K,
+                           verifier_architectures=["LlamaForCausalLM"], ttt_steps=K,
                            dtype=torch.float32)  # fmt: skip
     report = ev.evaluate(verifier=str(t.path), draft=str(draft_dir), prompts=[PROMPTS[0], PROMPTS[1:]],
                          max_new_tokens=24, out=str(tmp_path / "r.json"))  # fmt: skip
@@ -451,14 +451,14 @@ def test_offline_prediction_from_features(setups, tmp_path):
     prep = tiny.write_prepared(tmp_path / "prep", rows, verifier=t.path)
     feats = tmp_path / "features"
     extract(verifier=str(t.path), data=str(prep), out=str(feats), dtype="fp32", device="cpu")
-    off = offline_accuracy(draft, info, feats, steps=K)
+    off = offline_accuracy(draft, info, feats, ttt_steps=K)
     reached, right = [0] * K, [0] * K
     for ids, mask in rows:
         seq = torch.tensor(ids)
         aux, _ = forward_hidden_states(model, seq[None], layer_ids=draft.config.aux_layer_ids)
         with torch.no_grad():
             greedy = model(seq[None]).logits[0].argmax(-1)
-        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, steps=K).tolist()
+        lengths = ttt_chain_lengths(draft, seq, aux[0], greedy, ttt_steps=K).tolist()
         for t_, n in enumerate(lengths):
             for k in range(K):
                 if mask[t_ + 2 + k]:

@@ -53,12 +53,12 @@ def random_draft(verifier, *, N: int = 96, seed: int = 0, aux_layer_ids=None, **
 
 def save(m: Eagle3Draft, path: Path, verifier, **kw) -> Path:
     return save_draft(path, m, verifier_name_or_path=str(verifier), verifier_architectures=["LlamaForCausalLM"],
-                      speculative_tokens=3, **kw)  # fmt: skip
+                      ttt_steps=3, **kw)  # fmt: skip
 
 
 def logits(m: Eagle3Draft, ids, aux, steps=2, **kw) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [m.compute_logits(h) for h in m.ttt(ids, aux, steps=steps, **kw)]
+        return [m.compute_logits(h) for h in m.ttt(ids, aux, ttt_steps=steps, **kw)]
 
 
 def get(d: dict, dotted: str):
@@ -135,7 +135,7 @@ def test_vllm_reads_every_field_and_resave_is_byte_identical(make_tiny, tmp_path
     export(draft=str(tmp_path / "a"), out=str(tmp_path / "b"), from_format="speculators")
     loaded = load_draft(tmp_path / "a", verifier=v)
     save_draft(tmp_path / "c", loaded, verifier_name_or_path="org/tiny", verifier_architectures=["LlamaForCausalLM"],
-               speculative_tokens=3)  # fmt: skip
+               ttt_steps=3)  # fmt: skip
     for name in ("config.json", "model.safetensors"):
         first = (tmp_path / "a" / name).read_bytes()
         assert first == (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
@@ -448,7 +448,7 @@ def test_demo_ship_step_on_smollm2(tmp_path, capsys):
 
     m = random_draft("smollm2", N=1024)
     save_draft(tmp_path / "draft", m, verifier_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct",
-               verifier_architectures=["LlamaForCausalLM"], speculative_tokens=3)  # fmt: skip
+               verifier_architectures=["LlamaForCausalLM"], ttt_steps=3)  # fmt: skip
     ship(out=str(tmp_path))
     conf = json.loads((tmp_path / "draft-sglang" / "config.json").read_text())
     assert m.config.aux_layer_ids == [2, 15, 27]  # SmolLM2 has 30 layers: [2, L//2, L-3]

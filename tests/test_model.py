@@ -69,7 +69,7 @@ def test_ttt_equals_inference(variant):
     ids = torch.randint(0, V, (1, T))
     aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
     with torch.no_grad():
-        ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, steps=steps)]
+        ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, ttt_steps=steps)]
         for t in (0, 3, 9, T - 2 - steps):
             inf = _inference_logits(model, ids, aux, t, steps - 1)
             for k in range(steps):
@@ -85,7 +85,7 @@ def test_ttt_packed_documents_equal_separate_inference(variant):
     aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
     doc_ids = torch.tensor([[0] * 10 + [1] * 9 + [-1] * 5])  # two documents and padding
     with torch.no_grad():
-        ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, steps=steps, doc_ids=doc_ids)]
+        ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc_ids)]
         for offset, t in ((0, 2), (0, 10 - 2 - steps), (10, 10), (10, 19 - 2 - steps)):
             inf = _inference_logits(model, ids, aux, t, steps - 1, offset=offset)
             for k in range(steps):
@@ -121,7 +121,7 @@ def test_sdpa_equals_eager_forward_and_grad():
     results = {}
     for impl in ("sdpa", "eager"):
         model = _draft(seed=5, impl=impl).float().train()
-        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids)
+        outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc_ids)
         loss = sum(model.compute_logits(o).logsumexp(-1).mean() for o in outs)
         loss.backward()
         results[impl] = ([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
@@ -147,7 +147,7 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients(impl, varia
     for ckpt in (False, True):
         model = _draft(seed=8, impl=impl, **VARIANTS[variant]).train()
         model.gradient_checkpointing = ckpt
-        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids)
+        outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc_ids)
         loss = sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
         loss.backward()
         results[ckpt] = ([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
@@ -173,7 +173,7 @@ def test_ttt_reads_embeddings_looked_up_elsewhere(ckpt):
         model = _draft(seed=4).train()
         model.gradient_checkpointing = ckpt
         embeds = model.embed_tokens.weight.detach()[torch.nn.functional.pad(ids, (0, steps))] if looked_up else None
-        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc_ids, inputs_embeds=embeds)
+        outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc_ids, inputs_embeds=embeds)
         sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs)).backward()
         results.append(([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     for a, b in zip(results[0][0], results[1][0]):
@@ -181,7 +181,7 @@ def test_ttt_reads_embeddings_looked_up_elsewhere(ckpt):
     for name, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], g, rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="inputs_embeds"):
-        _draft().ttt(ids, aux, steps=steps, inputs_embeds=torch.zeros(2, T, H, dtype=torch.float64))
+        _draft().ttt(ids, aux, ttt_steps=steps, inputs_embeds=torch.zeros(2, T, H, dtype=torch.float64))
 
 
 def test_context_builds_its_own_mask():
@@ -264,7 +264,7 @@ def test_compiled_draft_equals_eager_on_cpu(variant):
 
     def run(model, doc, checkpointing=False):
         model.gradient_checkpointing = checkpointing
-        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc)
+        outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
         sum(model.compute_logits(o).logsumexp(-1).mean() for o in outs).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
@@ -295,7 +295,7 @@ def test_flex_in_the_compiled_layer_equals_sdpa_on_cpu():
     compile_draft(flex)
     for i, doc in enumerate([torch.tensor([[0] * 12 + [1] * 20, [0] * 28 + [-1] * 4]), torch.zeros(B, T, dtype=torch.long)]):
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
-            want = sdpa.ttt(ids, aux, steps=steps, doc_ids=doc)
-            got = flex.ttt(ids, aux, steps=steps, doc_ids=doc)
+            want = sdpa.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
+            got = flex.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -37,7 +37,7 @@ def _grads(model: Eagle3Draft, batches) -> dict[str, torch.Tensor]:
     """Two micro-batches, each three TTT steps, gradients accumulated over both."""
     model.zero_grad(set_to_none=True)
     for i, (ids, aux) in enumerate(batches):
-        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), steps=3)
+        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), ttt_steps=3)
         loss = sum((k + 1 + i) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))
         loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -129,7 +129,7 @@ def _deferred_grads(model: Eagle3Draft, batches, steps: int = 3) -> dict[str, to
     model.zero_grad(set_to_none=True)
     for i, (ids, aux) in enumerate(batches):
         assert begin_deferred_wgrad(model, uses=steps, lead_shape=tuple(ids.shape)) == 7  # q k v o gate up down
-        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), steps=steps)
+        outs = model.ttt(ids, aux.to(model.fc.weight.dtype), ttt_steps=steps)
         down = model.layers[0].mlp.down_proj  # the deferred path ran (compiled too): every use kept its input
         assert down._use == steps and all(torch.is_tensor(x) for x in down._deferred.x)
         loss = sum((k + 1 + i) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs))

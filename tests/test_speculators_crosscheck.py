@@ -68,7 +68,7 @@ def eyas_logits(draft, verifier, ids, aux, *, position_ids=None) -> list[torch.T
     """eyas's draft logits of TTT steps 0 and 1 at indices t < T-1 (speculators' shifted sequence)."""
     m = load_draft(draft, verifier=verifier, attn_implementation="eager")
     with torch.no_grad():
-        return [m.compute_logits(h)[:, :-1] for h in m.ttt(ids, aux, steps=2, position_ids=position_ids)]
+        return [m.compute_logits(h)[:, :-1] for h in m.ttt(ids, aux, ttt_steps=2, position_ids=position_ids)]
 
 
 def assert_same_logits(spec_file: Path, ours: list[torch.Tensor]) -> None:

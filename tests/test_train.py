@@ -96,7 +96,7 @@ def test_row_counts_match_the_step_masks():
     rng = np.random.default_rng(2)
     rows = [rng.random(int(n)) > 0.4 for n in rng.integers(1, 30, 20)]
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
-    lengths, counts = row_counts(np.concatenate(rows), offsets, max_len=16, steps=3)
+    lengths, counts = row_counts(np.concatenate(rows), offsets, max_len=16, ttt_steps=3)
     for r, L, c in zip(rows, lengths, counts):
         assert L == min(len(r), 16)
         m = torch.from_numpy(r[:L])[None]

@@ -113,14 +113,14 @@ class PreparedRows:
         return {"prepared": [sha256_file(f) for f in self._files], "rows": len(self)}
 
 
-def row_counts(flat: np.ndarray, offsets: np.ndarray, *, max_len: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+def row_counts(flat: np.ndarray, offsets: np.ndarray, *, max_len: int, ttt_steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row: its length after truncation to ``max_len``, and for each TTT step ``k`` how many positions step
-    ``k`` scores (``loss_mask[t+2+k]`` with ``t+2+k`` inside the row): ``[R]``, ``[R, steps]``."""
+    ``k`` scores (``loss_mask[t+2+k]`` with ``t+2+k`` inside the row): ``[R]``, ``[R, ttt_steps]``."""
     starts = offsets[:-1]
     lengths = np.minimum(np.diff(offsets), max_len)
     ends = starts + lengths
     cs = np.concatenate([[0], np.cumsum(flat, dtype=np.int64)])
-    counts = np.stack([cs[ends] - cs[np.minimum(starts + 2 + k, ends)] for k in range(steps)], axis=1)
+    counts = np.stack([cs[ends] - cs[np.minimum(starts + 2 + k, ends)] for k in range(ttt_steps)], axis=1)
     return lengths, counts
 
 

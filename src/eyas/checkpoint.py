@@ -75,8 +75,9 @@ def decoder_layer_config(cfg: DraftConfig) -> dict[str, Any]:
 
 
 def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_architectures: list[str],
-                speculative_tokens: int, dtype: str = "bfloat16") -> dict[str, Any]:  # fmt: skip
-    """The speculators ``eagle3`` config.json for a draft."""
+                ttt_steps: int, dtype: str = "bfloat16") -> dict[str, Any]:  # fmt: skip
+    """The speculators ``eagle3`` config.json for a draft; ``ttt_steps`` is written as vLLM's
+    ``speculative_tokens``, the tokens it drafts per step."""
     out: dict[str, Any] = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
@@ -95,7 +96,7 @@ def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_archit
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                {"proposal_type": "greedy", "speculative_tokens": int(ttt_steps),
                  "verifier_accept_k": 1, "accept_tolerance": 0.0},  # fmt: skip
             ],
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
@@ -178,7 +179,7 @@ def write_checkpoint(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor
 
 
 def save_tensors(out_dir: str | os.PathLike, cfg: DraftConfig, state_dict: dict[str, torch.Tensor], *,
-                 verifier_name_or_path: str, verifier_architectures: list[str], speculative_tokens: int,
+                 verifier_name_or_path: str, verifier_architectures: list[str], ttt_steps: int,
                  dtype: torch.dtype = torch.bfloat16, include_embeddings: bool = False) -> Path:  # fmt: skip
     """Write a draft given as state-dict tensors (the module's names) in the native format."""
     tensors = {}
@@ -192,16 +193,16 @@ def save_tensors(out_dir: str | os.PathLike, cfg: DraftConfig, state_dict: dict[
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
     dname = str(dtype).removeprefix("torch.")
     conf = config_dict(cfg, verifier_name_or_path=verifier_name_or_path, verifier_architectures=verifier_architectures,
-                       speculative_tokens=speculative_tokens, dtype=dname)  # fmt: skip
+                       ttt_steps=ttt_steps, dtype=dname)  # fmt: skip
     return write_checkpoint(out_dir, tensors, conf)
 
 
 def save_draft(out_dir: str | os.PathLike, model: Eagle3Draft, *, verifier_name_or_path: str,
-               verifier_architectures: list[str], speculative_tokens: int, dtype: torch.dtype = torch.bfloat16,
+               verifier_architectures: list[str], ttt_steps: int, dtype: torch.dtype = torch.bfloat16,
                include_embeddings: bool = False) -> Path:  # fmt: skip
     """Write ``config.json`` and ``model.safetensors`` atomically (weights first: a dir with a config is whole)."""
     return save_tensors(out_dir, model.config, model.state_dict(), verifier_name_or_path=verifier_name_or_path,
-                        verifier_architectures=verifier_architectures, speculative_tokens=speculative_tokens,
+                        verifier_architectures=verifier_architectures, ttt_steps=ttt_steps,
                         dtype=dtype, include_embeddings=include_embeddings)  # fmt: skip
 
 
@@ -333,13 +334,13 @@ EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 @dataclass
 class Draft:
     """A draft read from disk: its geometry, its tensors under eyas's names (``layers.0.*``), and what its
-    config says about the verifier and the number of speculative tokens (None where the layout has no say)."""
+    config says about the verifier and its TTT steps (``speculative_tokens``; None where the layout has no say)."""
 
     cfg: DraftConfig
     tensors: dict[str, torch.Tensor]
     verifier_name: str | None = None
     verifier_architectures: list[str] = field(default_factory=list)
-    speculative_tokens: int | None = None
+    ttt_steps: int | None = None
 
 
 def draft_files(src: Path, from_format: str | None) -> list[Path]:
@@ -365,4 +366,4 @@ def read_native(path: str | Path, *, tensors: bool = True) -> Draft:
     ver = spec.get("verifier") or {}
     return Draft(cfg, weights, verifier_name=ver.get("name_or_path"),
                  verifier_architectures=list(ver.get("architectures") or []),
-                 speculative_tokens=methods[0].get("speculative_tokens"))  # fmt: skip
+                 ttt_steps=methods[0].get("speculative_tokens"))  # fmt: skip

@@ -192,7 +192,7 @@ def evaluate(
                              "prepare used: --chat-template)")  # fmt: skip
     if offline:
         rows, kind, why = offline_rows_from
-        report["offline"] = offline_accuracy(d, env["info"], offline, steps=K, rows=rows, max_rows=offline_rows,
+        report["offline"] = offline_accuracy(d, env["info"], offline, ttt_steps=K, rows=rows, max_rows=offline_rows,
                                              device=dev)  # fmt: skip
         report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]

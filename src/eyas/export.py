@@ -151,7 +151,7 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
             if not name:
                 raise EyasError(f"{where} does not name its verifier; pass --verifier PATH or --verifier-name ORG/NAME")
             arch = d.verifier_architectures or (_verifier_architectures(info) if info else [])
-            tokens = int(speculative_tokens or d.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+            ttt_steps = int(speculative_tokens or d.ttt_steps or DEFAULT_SPECULATIVE_TOKENS)
         for stale in (MANIFEST, CONFIG):  # checks passed: a re-export interrupted from here must not look finished
             (dst / stale).unlink(missing_ok=True)
         if format == "eagle":
@@ -159,7 +159,7 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
                              eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
         else:
             save_tensors(dst, d.cfg, tensors, verifier_name_or_path=str(name), verifier_architectures=arch,
-                         speculative_tokens=tokens, dtype=torch_dtype,
+                         ttt_steps=ttt_steps, dtype=torch_dtype,
                          include_embeddings=include_embeddings)  # fmt: skip
         outputs = _describe(dst, d.cfg, format=format)
         manifest = write_manifest(dst, stage="export", inputs=inputs, settings=settings, outputs=outputs,
@@ -319,7 +319,7 @@ def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
         "aux_layer_ids_sglang": [i - 1 for i in cfg.aux_layer_ids],
         "draft_vocab_size": cfg.draft_vocab_size,
         "vocab_size": cfg.vocab_size,
-        "speculative_tokens": back.speculative_tokens,
+        "speculative_tokens": back.ttt_steps,
         "verifier_name_or_path": back.verifier_name,
         "layout": {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
                    "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "draft_arch": cfg.draft_arch,

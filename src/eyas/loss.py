@@ -270,23 +270,24 @@ class _FusedTTTLoss(torch.autograd.Function):
         return (grad_w, None, None, None, None, None, None, None, *grads_h)
 
 
-def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
+def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     """``valid[k, b, t]``: step ``k`` at index ``t`` is scored (``loss_mask[t+2+k]`` and the same document).
 
-    loss_mask, doc_ids [B, T] -> [steps, B, T] bool. All steps at once from shifted views (a handful of
-    operations whatever ``steps`` is: the training step is bound by how many the host dispatches).
+    loss_mask, doc_ids [B, T] -> [ttt_steps, B, T] bool. All steps at once from shifted views (a handful of
+    operations whatever ``ttt_steps`` is: the training step is bound by how many the host dispatches).
     """
     T = loss_mask.shape[1]
     # right-padded so that every shift t + 2 + k exists; a padded index is never scored (mask 0, document -1)
-    mask = F.pad(loss_mask, (0, steps + 1))  # [B, T + steps + 1]
-    docs = F.pad(doc_ids, (0, steps + 1), value=-1)
-    # unfold: [B, T + steps + 1] -> [B, steps + 2, T], window j = indices j .. j + T - 1; j = 2 + k for step k
-    ahead_mask, ahead_doc = mask.unfold(1, T, 1)[:, 2:], docs.unfold(1, T, 1)[:, 2:]  # [B, steps, T]
+    mask = F.pad(loss_mask, (0, ttt_steps + 1))  # [B, T + ttt_steps + 1]
+    docs = F.pad(doc_ids, (0, ttt_steps + 1), value=-1)
+    # unfold: [B, T + ttt_steps + 1] -> [B, ttt_steps + 2, T], window j = indices j .. j + T - 1;
+    # j = 2 + k for step k
+    ahead_mask, ahead_doc = mask.unfold(1, T, 1)[:, 2:], docs.unfold(1, T, 1)[:, 2:]  # [B, ttt_steps, T]
     here = doc_ids[:, None]  # [B, 1, T]
-    return (ahead_mask & (ahead_doc == here) & (here >= 0)).transpose(0, 1)  # [steps, B, T]
+    return (ahead_mask & (ahead_doc == here) & (here >= 0)).transpose(0, 1)  # [ttt_steps, B, T]
 
 
-def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int, *, chunk: int) -> torch.Tensor | None:
+def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, ttt_steps: int, *, chunk: int) -> torch.Tensor | None:
     """The flattened positions any TTT step scores (:func:`step_masks`), padded to a multiple of ``chunk`` with
     ``B*T, B*T + 1, ...`` (the loss' chunks keep one static shape); ``None`` when that skips no chunk.
 
@@ -297,21 +298,21 @@ def scored_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int, *, c
     many positions there are (a sync). loss_mask, doc_ids [B, T] -> int64 [R] or None.
     """
     M = loss_mask.numel()
-    rows = step_masks(loss_mask, doc_ids, steps).any(0).flatten().nonzero().flatten()  # [n]
+    rows = step_masks(loss_mask, doc_ids, ttt_steps).any(0).flatten().nonzero().flatten()  # [n]
     R = -(-rows.numel() // chunk) * chunk
     if R >= -(-M // chunk) * chunk:
         return None
     return torch.cat([rows, torch.arange(M, M + R - rows.numel())])
 
 
-def target_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> torch.Tensor | None:
+def target_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor | None:
     """The flattened positions whose verifier distribution some TTT step reads (:class:`TargetHead`'s
     ``rows``); ``None`` when that leaves out less than an eighth of them.
 
     The loss reads the target at ``t + 1 + k`` for every step ``k`` at every position ``t`` some step scores
     (:func:`scored_rows`: the KL of a step that does not score ``t`` is computed and weighted 0; the
     conditional accuracy reads every earlier step's target), so the positions needed are those shifted by 1 to
-    ``steps``. The rest (most of each prompt, the packing padding) need neither the verifier's head over the
+    ``ttt_steps``. The rest (most of each prompt, the packing padding) need neither the verifier's head over the
     draft vocab nor, for the full-vocab accuracy, over the rest of it: for a 7168-wide verifier with a
     163,840-token vocab that head is 2 x 7168 x 163840 = 2.35 GFLOP a position. Built by the data loader on the
     host (no sync). Skipping costs a pass over the ``[M, N]`` target logits (the zeros, then the scatter):
@@ -320,10 +321,10 @@ def target_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> t
     positions left out it is not worth it (a fully answered row leaves out only its first position).
     loss_mask, doc_ids [B, T] -> int64 [R] ascending, or None.
     """
-    scored = step_masks(loss_mask, doc_ids, steps).any(0).flatten()  # [M]
+    scored = step_masks(loss_mask, doc_ids, ttt_steps).any(0).flatten()  # [M]
     M = scored.numel()
-    need = torch.zeros(M + steps, dtype=torch.bool)
-    for k in range(steps):  # position t + 1 + k; past M only the pad rows, which are zero anyway
+    need = torch.zeros(M + ttt_steps, dtype=torch.bool)
+    for k in range(ttt_steps):  # position t + 1 + k; past M only the pad rows, which are zero anyway
         need[1 + k : 1 + k + M] |= scored
     rows = need[:M].nonzero().flatten()
     return None if 8 * (M - rows.numel()) < M else rows

@@ -422,7 +422,7 @@ class Eagle3Draft(nn.Module):
         """Draft-vocab logits ``[..., draft_vocab]``."""
         return self.lm_head(normed)
 
-    def ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, steps: int,
+    def ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, ttt_steps: int,
             doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             inputs_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Training-time test over whole sequences: the normed output ``[B, T, H]`` of each step.
@@ -433,13 +433,13 @@ class Eagle3Draft(nn.Module):
         and, for ``k > 0``, the step ``k-1`` pre-norm output at ``t``; it
         predicts ``x_{t+2+k}`` (whose target is the verifier's distribution at
         ``t+1+k``). Tokens past the end read id 0; the caller masks their loss.
-        ``inputs_embeds [B, T + steps, H]``, when given, are the embeddings of
-        ``input_ids`` followed by ``steps`` tokens of id 0 (so each step reads
+        ``inputs_embeds [B, T + ttt_steps, H]``, when given, are the embeddings of
+        ``input_ids`` followed by ``ttt_steps`` tokens of id 0 (so each step reads
         a slice of them instead of looking its tokens up).
         """
         B, T = input_ids.shape
-        if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != (B, T + steps):
-            raise ValueError(f"inputs_embeds must be [B, T + steps, H] = [{B}, {T + steps}, H], "
+        if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != (B, T + ttt_steps):
+            raise ValueError(f"inputs_embeds must be [B, T + ttt_steps, H] = [{B}, {T + ttt_steps}, H], "
                              f"got {list(inputs_embeds.shape)}")  # fmt: skip
         if doc_ids is None:
             doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
@@ -451,12 +451,12 @@ class Eagle3Draft(nn.Module):
         # step k reads the rows of x_{t+1+k} (ids past the end read id 0; their loss is masked) at position
         # pos_t + k.
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(F.pad(input_ids, (0, steps)))  # [B, T + steps, H]
-        offsets = torch.arange(steps, device=position_ids.device)[:, None, None]  # [steps, 1, 1]
-        positions = position_ids + offsets  # [steps, B, T]: step k at position pos_t + k
-        cos, sin = self.rotary_emb(hidden, positions)  # [steps, B, T, head_dim] each
+            inputs_embeds = self.embed_tokens(F.pad(input_ids, (0, ttt_steps)))  # [B, T + ttt_steps, H]
+        offsets = torch.arange(ttt_steps, device=position_ids.device)[:, None, None]  # [ttt_steps, 1, 1]
+        positions = position_ids + offsets  # [ttt_steps, B, T]: step k at position pos_t + k
+        cos, sin = self.rotary_emb(hidden, positions)  # [ttt_steps, B, T, head_dim] each
         outputs = []
-        for k in range(steps):
+        for k in range(ttt_steps):
             # [B, T, H]: x_{t+1+k}; a contiguous copy, as a per-step lookup wrote: a compiled layer fed the strided
             # slice ran slower (CPU host time per step 3.8 vs 2.8 ms in bench/train_throughput.py --preset smoke)
             embeds = inputs_embeds[:, 1 + k : 1 + k + T].contiguous()

@@ -17,19 +17,19 @@ from eyas.model import Eagle3Draft
 
 @torch.no_grad()
 def ttt_chain_lengths(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, greedy: torch.Tensor, *,
-                      steps: int) -> torch.Tensor:  # fmt: skip
+                      ttt_steps: int) -> torch.Tensor:  # fmt: skip
     """How many draft tokens a round starting at each index would accept, by training-time test.
 
     ``input_ids [T]``, ``aux_hidden [T, 3H]`` (the verifier's aux states), ``greedy [T]`` (the verifier's
     full-vocab argmax at each index). TTT step ``k`` at index ``t`` reads ``x_{t+1+k}`` and predicts
     ``x_{t+2+k}``; it is right when its argmax, mapped to the target vocab, equals ``greedy[t+1+k]``.
-    Returns ``[T - steps - 1]``: the number of leading right steps at each ``t``. When the tokens are the
+    Returns ``[T - ttt_steps - 1]``: the number of leading right steps at each ``t``. When the tokens are the
     verifier's own greedy output, this is exactly the accepted count of a decoding round whose last emitted
     token sits at ``t + 1`` (the draft then feeds its own tokens, which equal the data while it is right).
     """
     T = input_ids.shape[0]
-    outs = draft.ttt(input_ids[None], aux_hidden[None].to(draft.fc.weight.dtype), steps=steps)
-    t = torch.arange(T - steps - 1, device=input_ids.device)
+    outs = draft.ttt(input_ids[None], aux_hidden[None].to(draft.fc.weight.dtype), ttt_steps=ttt_steps)
+    t = torch.arange(T - ttt_steps - 1, device=input_ids.device)
     chain = torch.ones_like(t, dtype=torch.bool)
     length = torch.zeros_like(t)
     for k, normed in enumerate(outs):
@@ -40,7 +40,7 @@ def ttt_chain_lengths(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
 
 
 @torch.no_grad()
-def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: int, rows: list[int] | None = None,
+def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, ttt_steps: int, rows: list[int] | None = None,
                      max_rows: int = 256, device: str | torch.device = "cpu",
                      chunk: int = 256) -> dict[str, Any]:  # fmt: skip
     """Per-step conditional accuracy of the draft over extracted features, and the tau it predicts.
@@ -65,24 +65,24 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, steps: i
     # the whole head as "draft" rows in target-id order: the targets' argmax is the full-vocab argmax
     head = TargetHead.for_verifier(info, rows=full, draft_target_ids=torch.arange(len(full), device=device),
                                    device=device)  # fmt: skip
-    reached = torch.zeros(steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
-    right = torch.zeros(steps, dtype=torch.long)
+    reached = torch.zeros(ttt_steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
+    right = torch.zeros(ttt_steps, dtype=torch.long)
     for i in rows:
         row = reader[i]
         T = row.input_ids.shape[0]
-        if T < steps + 2:
+        if T < ttt_steps + 2:
             continue
         last = row.last_hidden_state.to(device)
         greedy = torch.cat([head(last[s : s + chunk], pad=0).argmax for s in range(0, T, chunk)])  # [T]
         length = ttt_chain_lengths(draft, row.input_ids.to(device), row.aux_hidden_states.to(device), greedy,
-                                   steps=steps).cpu()  # fmt: skip
+                                   ttt_steps=ttt_steps).cpu()  # fmt: skip
         mask = row.loss_mask.bool()
         t = torch.arange(length.shape[0])
-        for k in range(steps):
+        for k in range(ttt_steps):
             valid = mask[t + 2 + k]
             reached[k] += int((valid & (length >= k)).sum())
             right[k] += int((valid & (length > k)).sum())
-    cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(steps)]
+    cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(ttt_steps)]
     return {"features": str(features), "rows": len(rows), "row_ids": rows, "positions": int(reached[0]),
             "conditional_accuracy": cond, "predicted_tau": implied_tau(cond)}  # fmt: skip
 

@@ -196,9 +196,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute_dtype = torch.bfloat16 if cuda else torch.float32
     fp = fingerprint(info)
-    steps, max_len = int(a["ttt_steps"]), int(a["max_seq_len"])
-    if steps < 1 or max_len < steps + 2:
-        raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {steps}, {max_len})")
+    ttt_steps, max_len = int(a["ttt_steps"]), int(a["max_seq_len"])
+    if ttt_steps < 1 or max_len < ttt_steps + 2:
+        raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {ttt_steps}, {max_len})")
     batch_tokens = a["batch_tokens"] or max_len
     if batch_tokens % max_len:
         raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
@@ -253,7 +253,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
         raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
 
     flat, offsets = source.masks()
-    lengths, counts = row_counts(flat, offsets, max_len=max_len, steps=steps)
+    lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)
     truncated = int((np.diff(offsets) > max_len).sum())
     perm = np.random.default_rng(a["seed"]).permutation(len(lengths))
     n_val = int(round(len(lengths) * a["val_ratio"])) if a["val_ratio"] > 0 else 0
@@ -360,10 +360,11 @@ def _train(d, **a: Any) -> dict[str, Any]:
 
             archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
                 if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
-        save_meta = {"verifier_name": a["verifier_name"] or info.path, "architectures": archs, "steps": steps}
+        save_meta = {"verifier_name": a["verifier_name"] or info.path, "architectures": archs,
+                     "ttt_steps": ttt_steps}
         o = Options(epochs=a["epochs"], lr=a["lr"], max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
-                    grad_accum=a["grad_accum"], ttt_steps=steps,
-                    step_weights=[a["step_loss_decay"] ** k for k in range(steps)], warmup_steps=a["warmup_steps"],
+                    grad_accum=a["grad_accum"], ttt_steps=ttt_steps,
+                    step_weights=[a["step_loss_decay"] ** k for k in range(ttt_steps)], warmup_steps=a["warmup_steps"],
                     schedule=a["schedule"], weight_decay=a["weight_decay"], clip=a["clip"], seed=a["seed"],
                     optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
                     save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
@@ -389,7 +390,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
         state = trainer.final_state()
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
-            plot_curves(out, steps, accuracy=accuracy)
+            plot_curves(out, ttt_steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
             summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,

@@ -20,12 +20,12 @@ PLOT = "training_curves.png"
 class Meter:
     """Device-side sums since the last log (no host sync in the hot loop); :meth:`collect` reduces over ranks."""
 
-    def __init__(self, steps: int, device: torch.device) -> None:
-        self.steps, self.device = steps, device
+    def __init__(self, ttt_steps: int, device: torch.device) -> None:
+        self.ttt_steps, self.device = ttt_steps, device
         self.reset()
 
     def reset(self) -> None:
-        self.stats = torch.zeros(self.steps, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
+        self.stats = torch.zeros(self.ttt_steps, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
         # summed loss and gradient norm: both are >= 0, so a sum is finite exactly when every term was (a NaN or
         # inf loss is found at the next log without a check per micro-batch)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -117,7 +117,7 @@ def accuracy_measure(full_vocab: bool) -> str:
     return "draft argmax == verifier argmax within the draft vocab; overstates tau (--no-full-vocab-accuracy)"
 
 
-def plot_curves(out: Path, steps: int, *, accuracy: str) -> None:
+def plot_curves(out: Path, ttt_steps: int, *, accuracy: str) -> None:
     """``training_curves.png``: loss and accuracy per TTT step over training (lines) and validation (dots);
     ``accuracy`` (:func:`accuracy_measure`) titles the accuracy panel."""
     try:
@@ -133,7 +133,7 @@ def plot_curves(out: Path, steps: int, *, accuracy: str) -> None:
 
     recs = [json.loads(ln) for ln in (out / METRICS).read_text().splitlines() if ln]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for k in range(steps):
+    for k in range(ttt_steps):
         for split, style in (("train", "-"), ("val", "o")):
             pts = [(r["step"], r[f"loss_{k}"], r[f"acc_{k}"]) for r in recs if r["split"] == split]
             if pts:

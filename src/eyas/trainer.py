@@ -44,12 +44,12 @@ STATE_FORMAT = "eyas-train-state/1"
 class TTTObjective(nn.Module):
     """The draft plus its loss in one module, so DDP and FSDP2 see every use of ``lm_head`` inside ``forward``."""
 
-    def __init__(self, draft, *, steps: int, step_weights: list[float], drop_out_of_vocab: bool,
+    def __init__(self, draft, *, ttt_steps: int, step_weights: list[float], drop_out_of_vocab: bool,
                  compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = CHUNK_TOKENS,
                  deferred_wgrad: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.draft = draft
-        self.steps, self.drop, self.compute_dtype = steps, drop_out_of_vocab, compute_dtype
+        self.ttt_steps, self.drop, self.compute_dtype = ttt_steps, drop_out_of_vocab, compute_dtype
         self.compiled, self.chunk_tokens, self.deferred_wgrad = compiled, chunk_tokens, deferred_wgrad
         self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
 
@@ -57,10 +57,10 @@ class TTTObjective(nn.Module):
                 denom, inputs_embeds=None, scored_rows=None):  # fmt: skip
         refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
         if self.deferred_wgrad and torch.is_grad_enabled():  # each layer weight is used once per TTT step
-            begin_deferred_wgrad(self.draft, uses=self.steps, lead_shape=tuple(input_ids.shape))
-        normed = self.draft.ttt(input_ids, aux, steps=self.steps, doc_ids=doc_ids, position_ids=position_ids,
+            begin_deferred_wgrad(self.draft, uses=self.ttt_steps, lead_shape=tuple(input_ids.shape))
+        normed = self.draft.ttt(input_ids, aux, ttt_steps=self.ttt_steps, doc_ids=doc_ids, position_ids=position_ids,
                                 inputs_embeds=inputs_embeds)  # fmt: skip
-        valid = step_masks(loss_mask, doc_ids, self.steps).flatten(1)  # [S, B*T]
+        valid = step_masks(loss_mask, doc_ids, self.ttt_steps).flatten(1)  # [S, B*T]
         scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
         targets = Targets(target_logits, target_argmax, in_vocab)
         return ttt_loss([h.flatten(0, 1) for h in normed], self.draft.lm_head.weight, targets, valid, scale,
@@ -95,7 +95,7 @@ def _draft_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_output(path: Path, cfg, state: dict[str, torch.Tensor], *, verifier_name: str, architectures: list[str],
-                steps: int) -> None:  # fmt: skip
+                ttt_steps: int) -> None:  # fmt: skip
     """A speculators-format checkpoint (config.json + bf16 model.safetensors) from a draft state dict."""
     from eyas.checkpoint import save_draft
     from eyas.model import Eagle3Draft
@@ -104,7 +104,7 @@ def save_output(path: Path, cfg, state: dict[str, torch.Tensor], *, verifier_nam
         skeleton = Eagle3Draft(cfg)
     skeleton.load_state_dict(state, strict=False, assign=True)
     save_draft(path, skeleton, verifier_name_or_path=verifier_name, verifier_architectures=architectures,
-               speculative_tokens=steps)  # fmt: skip
+               ttt_steps=ttt_steps)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -182,7 +182,7 @@ class Trainer:
             self.total = min(self.total, o.max_steps)
         self.warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.03 * self.total))
         self.draft = draft
-        objective = TTTObjective(draft, steps=o.ttt_steps, step_weights=o.step_weights,
+        objective = TTTObjective(draft, ttt_steps=o.ttt_steps, step_weights=o.step_weights,
                                  drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
                                  compiled=compiled, deferred_wgrad=o.deferred_wgrad,
                                  chunk_tokens=o.loss_chunk_tokens)  # fmt: skip

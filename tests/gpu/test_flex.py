@@ -38,7 +38,7 @@ def _draft(impl: str, seed: int = 0, **over) -> Eagle3Draft:
 
 def _run(model: Eagle3Draft, ids, aux, doc, steps: int):
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        outs = model.ttt(ids, aux, steps=steps, doc_ids=doc)
+        outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
         loss = sum(model.compute_logits(o).float().logsumexp(-1).mean() for o in outs)
     loss.backward()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -135,7 +135,7 @@ def test_working_weights_compiled_equal_autocast(mode, layout):
         got = _run(model, ids, aux, doc, steps=3)
     _close(got[0], ref[0], "outputs")
     exact.attn_implementation = "sdpa"
-    outs = exact.ttt(ids, aux.double(), steps=3, doc_ids=doc)
+    outs = exact.ttt(ids, aux.double(), ttt_steps=3, doc_ids=doc)
     sum(exact.compute_logits(o).logsumexp(-1).mean() for o in outs).backward()
     for name, p in exact.named_parameters():
         if name in ref[1]:
