@@ -86,10 +86,11 @@ def test_bad_checkpoints_name_the_key(make_tiny, tmp_path):
         load_draft(tmp_path / "c", verifier="smollm2")
     c = tmp_path / "c" / "config.json"
     raw = json.loads(c.read_text())
-    raw["eagle_aux_hidden_state_layer_ids"] = [1, 2]
-    c.write_text(json.dumps(raw))
-    with pytest.raises(EyasError, match="eagle_aux_hidden_state_layer_ids must list three"):
-        read_draft_config(tmp_path / "c")
+    for bad in ([1, 2], [2, 2, 4], None):  # the one check of aux ids (eyas.verifier_info.check_aux_layer_ids)
+        raw["eagle_aux_hidden_state_layer_ids"] = bad
+        c.write_text(json.dumps(raw))
+        with pytest.raises(EyasError, match="eagle_aux_hidden_state_layer_ids must list three"):
+            read_draft_config(tmp_path / "c")
 
 
 def test_missing_norm_before_residual_reads_as_vllm_serves_it(make_tiny, tmp_path):

@@ -12,7 +12,7 @@ import torch
 import tiny
 from eyas.errors import EyasError
 from eyas.verifier import build_final_norm, build_text_model, load_head_tensors, load_tokenizer, resolve
-from eyas.verifier_info import fingerprint
+from eyas.verifier_info import check_aux_layer_ids, fingerprint
 
 ALL = list(tiny.BUILDERS)
 
@@ -78,6 +78,22 @@ def test_remote_code_never_imported(make_tiny):
     build_text_model(info)
     load_tokenizer(info)
     assert not (t.path / tiny.REMOTE_SENTINEL).exists()
+
+
+def test_aux_layer_ids_one_check():
+    """Every source of aux layer ids (--layers, a features manifest, a draft's config, a draft against its
+    verifier) goes through one check: three distinct ids, ascending; with the verifier's L, each in 1..L-1, or
+    1..L for a draft that reads the final hidden state."""
+    assert check_aux_layer_ids([5, 2, 4], 8) == [2, 4, 5]
+    assert check_aux_layer_ids(["0", 1, 2]) == [0, 1, 2]  # no verifier to bound them: the shape only
+    assert check_aux_layer_ids([2, 4, 8], 8, final=True) == [2, 4, 8]
+    for ids, match in (([2, 4], "--layers must list three distinct"), ([2, 2, 4], "must list three distinct"),
+                       ([0, 2, 4], r"\[0\] out of range .* 8 layers: use ids 1..7"), ([2, 4, 8], r"\[8\] out of range"),
+                       (None, "must list three layer ids, got None")):  # fmt: skip
+        with pytest.raises(EyasError, match=match):
+            check_aux_layer_ids(ids, 8)
+    with pytest.raises(EyasError, match=r"^the manifest: layer id\(s\) \[9\] .* use ids 1..8"):
+        check_aux_layer_ids([2, 4, 9], 8, final=True, what="the manifest")
 
 
 def test_fingerprint_is_cheap_and_changes_with_weights(make_tiny, tmp_path):

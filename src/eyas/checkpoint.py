@@ -34,6 +34,7 @@ from eyas import __version__
 from eyas.errors import EyasError
 from eyas.manifest import atomic_path, read_json, write_bytes
 from eyas.model import DraftConfig, Eagle3Draft
+from eyas.verifier_info import check_aux_layer_ids
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -132,9 +133,8 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
         if layer.get("rope_scaling"):
             rope.update(layer["rope_scaling"])
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-    aux = d.get("eagle_aux_hidden_state_layer_ids")
-    if not aux or len(aux) != 3:
-        raise EyasError(f"{where}: eagle_aux_hidden_state_layer_ids must list three layer ids, got {aux!r}")
+    aux = check_aux_layer_ids(d.get("eagle_aux_hidden_state_layer_ids"),
+                              what=f"{where}: eagle_aux_hidden_state_layer_ids")
     try:
         return DraftConfig(
             hidden_size=int(layer["hidden_size"]),
@@ -144,7 +144,7 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
             head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
             vocab_size=int(layer["vocab_size"]),
             draft_vocab_size=int(d.get("draft_vocab_size") or layer["vocab_size"]),
-            aux_layer_ids=sorted(int(i) for i in aux),
+            aux_layer_ids=aux,
             target_hidden_size=d.get("target_hidden_size"),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             rope_parameters=rope,

@@ -57,6 +57,7 @@ from eyas.manifest import (
     write_manifest,
 )
 from eyas.model import DraftConfig
+from eyas.verifier_info import check_aux_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SPECULATIVE_TOKENS = 3  # what speculators' Eagle3Converter writes for an EAGLE import
@@ -185,9 +186,8 @@ def check_verifier(cfg: DraftConfig, info: Any, *, where: str) -> None:
         raise EyasError(f"{where}: fc.weight reads aux states of hidden size {target_hidden} (hidden_size/"
                         f"target_hidden_size) but the verifier {info.path} has hidden size {info.hidden_size}: "
                         "this draft was made for another verifier")  # fmt: skip
-    if max(cfg.aux_layer_ids) > info.num_hidden_layers:
-        raise EyasError(f"{where}: eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids} name layers beyond the "
-                        f"{info.num_hidden_layers} of the verifier {info.path}")  # fmt: skip
+    check_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers, final=True,
+                        what=f"{where}: eagle_aux_hidden_state_layer_ids (for the verifier {info.path})")
 
 
 def _normalise_vocab_maps(d: Draft, *, where: str) -> None:

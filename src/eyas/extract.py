@@ -36,6 +36,7 @@ from eyas.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_
 
 # bench/ scripts import these names from this module
 from eyas.extractor import plan_batches  # noqa: F401, E402
+from eyas.verifier_info import check_aux_layer_ids as check_layer_ids  # noqa: F401, E402
 
 # Target shard size on disk. Rows are sorted by length and batched inside a window of shards, which must hold
 # many batches for little padding: 256 MiB shards, one per window, padded 32% of the forward's tokens on
@@ -93,22 +94,6 @@ class InMemoryRows:
 
 
 # --------------------------------------------------------------------------- planning
-
-
-def check_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Exactly three distinct aux layer ids in ``1..L-1``, returned ascending (the order both engines
-    concatenate them in). Id 0 is refused: vLLM captures ``hidden_states + residual`` and the residual does
-    not exist before layer 0, and SGLang's export writes ``id - 1``."""
-    ids = [int(i) for i in ids]
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise EyasError(f"--layers needs exactly three distinct layer ids (EAGLE-3's fc fuses 3 states), got {ids}")
-    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
-    if bad:
-        raise EyasError(
-            f"layer id(s) {bad} out of range for a verifier with {num_layers} layers: use ids 1..{num_layers - 1} "
-            "(id i is the hidden state entering decoder layer i)"
-        )
-    return sorted(ids)
 
 
 def default_shard_tokens(lengths: np.ndarray, hidden_size: int, dtype: str) -> int:
@@ -264,7 +249,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
                                write_json, write_manifest)
     from eyas.verifier import build_text_model
-    from eyas.verifier_info import fingerprint, resolve
+    from eyas.verifier_info import check_aux_layer_ids, fingerprint, resolve
 
     if dtype not in STORAGE_DTYPES:
         raise EyasError(f"--dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
@@ -277,7 +262,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             f"({pmanifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` with this "
             "--verifier, or pass the verifier they were made for"
         )
-    layer_ids = check_layer_ids(layers if layers is not None else info.aux_layer_ids, info.num_hidden_layers)
+    layer_ids = check_aux_layer_ids(layers if layers is not None else info.aux_layer_ids, info.num_hidden_layers)
     if device_map is not None:
         if d.active:
             raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "

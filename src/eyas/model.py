@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.attention import AttnImpl, DraftCache, TTTContext, masked_attention
+from eyas.verifier_info import check_aux_layer_ids
 
 
 @dataclass
@@ -70,9 +71,7 @@ class DraftConfig:
     num_hidden_layers: int = 1
 
     def __post_init__(self) -> None:
-        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if len(self.aux_layer_ids) != 3 or self.aux_layer_ids != sorted(self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids must be three ids in ascending order, got {self.aux_layer_ids}")
+        self.aux_layer_ids = check_aux_layer_ids(self.aux_layer_ids, what="aux_layer_ids")  # ascending
         if self.norm_before_fc and self.fc_norm:  # one norm over the concatenation, or one per state: not both
             raise ValueError("norm_before_fc and fc_norm exclude each other (speculators' Eagle3SpeculatorConfig)")
         if self.draft_arch not in ("llama", "qwen3"):

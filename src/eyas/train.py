@@ -173,19 +173,12 @@ def train(
         return _train(d, **args)
 
 
-def _check_layers(layer_ids: list[int], num_layers: int, *, what: str = "--layers") -> list[int]:
-    ids = sorted(int(i) for i in layer_ids)
-    if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i < num_layers for i in ids):
-        raise EyasError(f"{what} must be three distinct ids in 1..{num_layers - 1}, got {layer_ids}")
-    return ids
-
-
 def _train(d, **a: Any) -> dict[str, Any]:
-    from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.attention import default_attn_implementation
+    from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.model import DraftConfig, Eagle3Draft
     from eyas.verifier import build_text_model, load_head_tensors
-    from eyas.verifier_info import fingerprint, resolve
+    from eyas.verifier_info import check_aux_layer_ids, fingerprint, resolve
 
     out = Path(a["out"])
     info = resolve(a["verifier"])
@@ -220,7 +213,7 @@ def _train(d, **a: Any) -> dict[str, Any]:
             raise EyasError(f"the prepared rows in {a['data']} were tokenized for another verifier "
                             f"({source.manifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` "
                             "with this --verifier")  # fmt: skip
-        layer_ids = _check_layers(a["layers"] or info.aux_layer_ids, info.num_hidden_layers)
+        layer_ids = check_aux_layer_ids(a["layers"] or info.aux_layer_ids, info.num_hidden_layers)
     else:
         from eyas.features import read_features_manifest
 
@@ -232,8 +225,8 @@ def _train(d, **a: Any) -> dict[str, Any]:
             raise EyasError(f"the features in {a['data']} were extracted from another verifier "
                             f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
                             "came from, or run `eyas extract` with this one")  # fmt: skip
-        layer_ids = _check_layers(fm["layer_ids"], info.num_hidden_layers,  # a damaged or hand-made manifest
-                                  what=f"the layer_ids of {Path(a['data']) / MANIFEST}")  # fmt: skip
+        layer_ids = check_aux_layer_ids(fm["layer_ids"], info.num_hidden_layers,  # a damaged or hand-made manifest
+                                        what=f"the layer_ids of {Path(a['data']) / MANIFEST}")  # fmt: skip
         if a["layers"] is not None and sorted(a["layers"]) != layer_ids:
             raise EyasError(f"--layers {a['layers']} differs from the layers the features hold ({layer_ids}); "
                             "drop --layers or extract those layers")  # fmt: skip

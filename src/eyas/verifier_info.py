@@ -18,10 +18,11 @@ import re
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from eyas.errors import EyasError
-from eyas.locate import TensorRef, config_for, known_causal_lm, locate_checkpoint, read_config, text_model_type, weight_refs
+from eyas.locate import (TensorRef, config_for, known_causal_lm, locate_checkpoint, read_config, text_model_type,
+                         weight_refs)  # fmt: skip
 
 EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight", "wte.weight")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
@@ -111,6 +112,33 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     if num_layers < 4:
         raise EyasError(f"a verifier with {num_layers} layers is too shallow for EAGLE-3 (needs at least 4)")
     return sorted([2, num_layers // 2, num_layers - 3])
+
+
+def check_aux_layer_ids(ids: Sequence[int], num_layers: int | None = None, *, what: str = "--layers",
+                        final: bool = False) -> list[int]:
+    """The one check of aux layer ids, wherever they come from (``--layers``, a features manifest, a draft's
+    config): exactly three distinct ids (EAGLE-3's ``fc`` fuses three states), returned ascending (the order
+    both engines concatenate them in). ``what`` names them in the error.
+
+    With the verifier's layer count ``num_layers`` (L) each id must be a state the verifier has: ``1..L-1``.
+    Id 0 is refused: vLLM captures ``hidden_states + residual`` and the residual does not exist before layer 0,
+    and SGLang's export writes ``id - 1``. ``final=True`` also admits L, the final hidden state, which a draft
+    made elsewhere may read (vLLM serves it; SGLang never captures it).
+    """
+    try:
+        checked = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise EyasError(f"{what} must list three layer ids, got {ids!r}") from None
+    if len(checked) != 3 or len(set(checked)) != 3:
+        raise EyasError(f"{what} must list three distinct layer ids (EAGLE-3's fc fuses 3 states), got {checked}")
+    if num_layers is not None:
+        top = num_layers if final else num_layers - 1
+        bad = [i for i in checked if not 1 <= i <= top]
+        if bad:
+            raise EyasError(f"{what}: layer id(s) {bad} out of range for a verifier with {num_layers} layers: use "
+                            f"ids 1..{top} (id i is the hidden state entering decoder layer i)")  # fmt: skip
+    return sorted(checked)
+
 
 def transformers_text_config(info: VerifierInfo):
     """The text config as a transformers config object (its class from transformers, never remote code)."""
