@@ -307,6 +307,24 @@ def test_shard_buffers_of_a_run_are_one_size(make_tiny, tmp_path):
     assert len(made) <= ex.buffers.keep and {b.numel() for b in ex.buffers._free} == set(made)
 
 
+def test_one_reader_of_prepared_rows(make_tiny, tmp_path):
+    """Extraction and online training read prepared rows through one reader: the same rows, and the records
+    each stage's manifest keeps of them come from one hashing of the Arrow files (eval matches one against the
+    other to know whether features hold a draft's training rows)."""
+    from eyas.batches import PreparedRows, arrow_sha256
+
+    rows = tiny.random_rows(5, seed=3)
+    src = PreparedRows(_prepared(tmp_path / "prep", make_tiny("llama").path, rows))
+    fetched = src.fetch(1, 4)
+    for k, (ids, mask) in enumerate(fetched):
+        row = src.row(1 + k)
+        assert ids.tolist() == row.input_ids.tolist() == list(rows[1 + k][0])
+        assert mask.tolist() == row.loss_mask.tolist() == [bool(m) for m in rows[1 + k][1]]
+    trained, extracted = src.identity(), src.extracted_from()
+    assert trained["rows"] == extracted["rows"] == 5 and extracted["tokens"] == sum(len(i) for i, _ in rows)
+    assert extracted["arrow_sha256"] == arrow_sha256(trained["prepared"])
+
+
 def test_verify_names_corrupted_and_missing_shards(make_tiny, tmp_path, capsys):
     t = make_tiny("llama")
     prep = _prepared(tmp_path / "prep", t.path, tiny.random_rows(6, seed=7))

@@ -8,6 +8,7 @@ one process with ``G*W`` accumulation steps sees exactly the micro-batches ``W``
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,9 @@ class FeatureRows:
 
 
 class PreparedRows:
-    """Online rows: an ``eyas prepare`` output; features come from the verifier per batch."""
+    """An ``eyas prepare`` output (a ``datasets`` dataset, memory-mapped): the one reader of prepared rows, for
+    online training (a row at a time, every loss mask at once; features come from the verifier per batch) and
+    for extraction (ranges of rows as arrays, :meth:`fetch`)."""
 
     online = True
 
@@ -89,6 +92,7 @@ class PreparedRows:
         ds, self.manifest = load_prepared(path)
         self.path = Path(path)
         self._files = [f["filename"] for f in ds.cache_files]
+        self._hashes: list[str] | None = None
         self.ds = ds.with_format("numpy")
         self.lengths = np.asarray(self.ds["seq_len"], dtype=np.int64)
 
@@ -99,6 +103,21 @@ class PreparedRows:
         r = self.ds[int(i)]
         return Row(torch.from_numpy(np.asarray(r["input_ids"], np.int64)), torch.from_numpy(r["loss_mask"] != 0))
 
+    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Rows ``[start, end)`` as ``(input_ids int64, loss_mask bool)`` arrays, each checked against its
+        ``seq_len``."""
+        part = self.ds[start:end]
+        out = []
+        for r, (ids, mask) in enumerate(zip(part["input_ids"], part["loss_mask"])):
+            ids, mask = np.asarray(ids, np.int64), np.asarray(mask).astype(bool)
+            if not len(ids) == len(mask) == self.lengths[start + r]:
+                raise EyasError(
+                    f"{self.path}: row {start + r} has {len(ids)} input_ids, {len(mask)} loss_mask values and "
+                    f"seq_len {self.lengths[start + r]}; they must agree: run `eyas prepare` again"
+                )
+            out.append((ids, mask))
+        return out
+
     def masks(self) -> tuple[np.ndarray, np.ndarray]:
         col = self.ds.data.column("loss_mask").combine_chunks()
         offsets = np.asarray(col.offsets, dtype=np.int64)
@@ -107,10 +126,29 @@ class PreparedRows:
             raise EyasError(f"{self.path}: loss_mask lengths disagree with seq_len; run `eyas prepare` again")
         return flat, offsets
 
-    def identity(self) -> dict[str, Any]:
-        from eyas.manifest import sha256_file
+    def file_hashes(self) -> list[str]:
+        """The sha256 of each of the dataset's Arrow files, in order (read once)."""
+        if self._hashes is None:
+            from eyas.manifest import sha256_file
 
-        return {"prepared": [sha256_file(f) for f in self._files], "rows": len(self)}
+            self._hashes = [sha256_file(f) for f in self._files]
+        return self._hashes
+
+    def identity(self) -> dict[str, Any]:
+        """What a draft trained online was trained on, as train's manifest records it."""
+        return {"prepared": self.file_hashes(), "rows": len(self)}
+
+    def extracted_from(self) -> dict[str, Any]:
+        """What features extracted from these rows were made from, as extract's manifest records it: the same
+        file hashes, as one digest (:func:`arrow_sha256`), with row and token counts. (Two records of one
+        hashing, each in the form its stage's manifests have held since they were first written, so that
+        outputs already on disk still match.)"""
+        return {"rows": len(self), "tokens": int(self.lengths.sum()), "arrow_sha256": arrow_sha256(self.file_hashes())}
+
+
+def arrow_sha256(file_hashes: list[str]) -> str:
+    """One digest of a prepared dataset's Arrow files: sha256 over their sha256 hex digests, in order."""
+    return hashlib.sha256("".join(file_hashes).encode()).hexdigest()
 
 
 def row_counts(flat: np.ndarray, offsets: np.ndarray, *, max_len: int, ttt_steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,6 @@ is :mod:`eyas.features`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import threading
 from pathlib import Path
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from eyas import features
+from eyas.batches import PreparedRows
 from eyas.errors import EyasError
 from eyas.extractor import WINDOW_SHARDS, Extractor
 from eyas.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
@@ -48,38 +48,6 @@ MERGED_PROGRESS = ".progress-merged.json"
 
 
 # --------------------------------------------------------------------------- rows in
-
-
-class PreparedRows:
-    """Rows of an ``eyas prepare`` output (a ``datasets`` dataset, memory-mapped)."""
-
-    def __init__(self, ds, where: str | Path) -> None:
-        self.where = str(where)
-        self._files = [f["filename"] for f in ds.cache_files]
-        self.ds = ds.with_format("numpy")
-        self.lengths = np.asarray(self.ds["seq_len"], dtype=np.int64)
-
-    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        part = self.ds[start:end]
-        out = []
-        for r, (ids, mask) in enumerate(zip(part["input_ids"], part["loss_mask"])):
-            ids, mask = np.asarray(ids, np.int64), np.asarray(mask).astype(bool)
-            if not len(ids) == len(mask) == self.lengths[start + r]:
-                raise EyasError(
-                    f"{self.where}: row {start + r} has {len(ids)} input_ids, {len(mask)} loss_mask values and "
-                    f"seq_len {self.lengths[start + r]}; they must agree: run `eyas prepare` again"
-                )
-            out.append((ids, mask))
-        return out
-
-    def identity(self) -> dict[str, Any]:
-        """What the features were made from: row and token counts and a hash of the Arrow files."""
-        from eyas.manifest import sha256_file
-
-        h = hashlib.sha256()
-        for f in self._files:
-            h.update(sha256_file(f).encode())
-        return {"rows": len(self.lengths), "tokens": int(self.lengths.sum()), "arrow_sha256": h.hexdigest()}
 
 
 class InMemoryRows:
@@ -245,7 +213,7 @@ def extract(
 
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
              speculators_out) -> dict[str, Any]:  # fmt: skip
-    from eyas.datasets import load_prepared, prepared_verifier
+    from eyas.datasets import prepared_verifier
     from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
                                write_json, write_manifest)
     from eyas.verifier import build_text_model
@@ -254,7 +222,8 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     if dtype not in STORAGE_DTYPES:
         raise EyasError(f"--dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
     info = resolve(verifier)
-    ds, pmanifest = load_prepared(data)
+    source = PreparedRows(data)
+    pmanifest = source.manifest
     fp = fingerprint(info)
     if prepared_verifier(pmanifest) != fp:
         raise EyasError(
@@ -277,12 +246,11 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
     # bf16 on GPUs, as the verifier is served; fp32 on CPU (and when fp32 is asked for), where it is exact.
     compute_dtype = torch.bfloat16 if on_cuda and dtype != "fp32" else torch.float32
     batch_tokens = batch_tokens or BATCH_TOKENS["cuda" if on_cuda else "cpu"]
-    source = PreparedRows(ds, data)
     H = info.hidden_size
     shard_tokens = shard_tokens or default_shard_tokens(source.lengths, H, dtype)
     shards = plan_shards(source.lengths, shard_tokens)
     # the template the rows were rendered with travels on, so train records it and eval can compare it
-    inputs = {"verifier": fp, "data": source.identity(),
+    inputs = {"verifier": fp, "data": source.extracted_from(),
               "chat_template_sha256": (pmanifest.get("inputs") or {}).get("chat_template_sha256")}  # fmt: skip
     settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
                 "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens,

@@ -107,9 +107,7 @@ def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
     """Whether FEATURES hold the rows a draft was trained on, row for row: the train manifest's ``inputs.data``
     names the features themselves (offline training) or the prepared rows they were extracted from (online:
     extract's ``arrow_sha256`` hashes the same files' sha256 digests, in order)."""
-    import hashlib
-
-    from eyas.batches import FeatureRows
+    from eyas.batches import FeatureRows, arrow_sha256
 
     held = FeatureRows(features, dtype=torch.float32)
     if "features" in train_data:
@@ -117,7 +115,7 @@ def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
     made_from = (held.manifest.get("inputs") or {}).get("data") or {}
     prepared = train_data.get("prepared")
     return isinstance(prepared, list) and made_from.get("rows") == train_data.get("rows") and \
-        made_from.get("arrow_sha256") == hashlib.sha256("".join(prepared).encode()).hexdigest()  # fmt: skip
+        made_from.get("arrow_sha256") == arrow_sha256(prepared)  # fmt: skip
 
 
 def choose_offline_rows(manifest: dict[str, Any], features: str | Path) -> tuple[list[int] | None, str, str]:
