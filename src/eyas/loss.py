@@ -200,7 +200,7 @@ def _chunk_fn(compiled: bool):
 
     Shapes start static, as dynamo's default does (a run's chunks are all ``chunk_tokens`` long; a second shape
     makes them dynamic): compiled for dynamic shapes, the chunk took 238 us per 1024 x 32000 chunk on an H200,
-    0.83 TB/s for one pass over its bytes; static, 165 us, 1.19 TB/s (``bench/loss_kernel.py``, seventh session;
+    0.83 TB/s for one pass over its bytes; static, 165 us, 1.19 TB/s (``bench/loss_kernel.py`` at commit 3ae919c;
     turning off Inductor's split reductions changed nothing at these shapes)."""
     if compiled not in _chunk_fns:
         _chunk_fns[compiled] = torch.compile(_soft_ce_chunk) if compiled else _soft_ce_chunk

@@ -23,30 +23,30 @@ from typing import Any
 from eyas.errors import EyasError
 
 #: Figures the estimate uses, each measured on one H200 (torch 2.11, transformers 5.17) and recorded in
-#: docs/BENCHMARKS.md, section by section:
+#: docs/BENCHMARKS.md, each named by the commit that recorded it:
 MEASURED = {
-    # "eyas extract: throughput against the bare forward": SmolLM2-135M's bare backbone forward, bf16, 32k-token
-    # batches: 548,028 tokens/s. Its backbone is 106.2M parameters (134.5M less the 28.3M embedding, which is
+    # eyas extract at commit 4670df4, against the bare forward: SmolLM2-135M's bare backbone forward, bf16,
+    # 32k-token batches: 548,028 tokens/s. Its backbone is 106.2M parameters (134.5M less the 28.3M embedding, which is
     # a lookup), 2 FLOP each per token: 0.212 GFLOP/token, so 116 TFLOP/s of useful work. A verifier's
     # forward is estimated at this rate over its *active* parameters (MoE: the experts a token is routed to).
     "verifier_flop_per_s": 548_028 * 2 * 106.2e6,
-    # "eyas extract", third session: extraction (capture, copy to host, write) at 0.92x the bare forward in the
+    # eyas extract at commit b9c9719: extraction (capture, copy to host, write) at 0.92x the bare forward in the
     # steady state, bf16 to RAM; a local disk took 1.24 GB/s with fsync, the bound when features are large.
     "extract_fraction": 0.92,
     "disk_bytes_per_s": 1.24e9,
-    # "Training ... Ninth session": eyas train at Kimi-K2.5 draft dims (H 7168, vocab 163840, sequence 2048,
-    # TTT 3), 33,820 tokens/s on one H200; "Seventh session", stage 23: at Llama-3.1-8B dims (H 4096), 64,910.
+    # eyas train at commit 2f32da3, Kimi-K2.5 draft dims (H 7168, vocab 163840, sequence 2048, TTT 3): 33,820
+    # tokens/s on one H200; at commit d42f3e5, Llama-3.1-8B dims (H 4096): 64,910.
     "draft_tokens_per_s": 33_820,
     "draft_tokens_per_s_4096": 64_910,
-    # "Training ... Third session": DDP over two H200s at Llama-3.1-8B dims, 87.6% scaling efficiency.
+    # eyas train at commit b9c9719: DDP over two H200s at Llama-3.1-8B dims, 87.6% scaling efficiency.
     "ddp_efficiency": 0.876,
-    # "int4 verifiers kept packed": the packed int4 Kimi-like verifier's backbone forward took this many times
-    # the dequantized one's (bench/int4_memory.py, one H200).
+    # int4 verifiers kept packed, at commit 245bc2c: the packed int4 Kimi-like verifier's backbone forward took
+    # this many times the dequantized one's (bench/int4_memory.py, one H200).
     "packed_forward_slowdown": 1.0,
 }
 
 #: Share of a GPU's memory the verifier's weights may take; the rest is left to activations, the CUDA
-#: context, and (online) the draft, which peaked at 12.97 GiB at Kimi-K2.5 dims (docs/BENCHMARKS.md).
+#: context, and (online) the draft, which peaked at 12.97 GiB at Kimi-K2.5 dims (docs/BENCHMARKS.md, commit 912458c).
 USABLE_FRACTION = 0.9
 
 FEATURE_STATES = 4  # three aux states and the last, as eyas extract stores them

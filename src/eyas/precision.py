@@ -4,7 +4,7 @@ straight from the weight-gradient matmul.
 Under ``torch.autocast`` each *use* of an fp32 weight casts it to bf16 (training-time test runs the layer
 three times, so three casts, and a compiled region casts again in its backward), and each use's weight
 gradient comes back as a bf16 matrix that is then cast to fp32: about 3.7 ms of the 35 ms step at
-Llama-3.1-8B draft dims on an H200 (BENCHMARKS.md, fourth session's profile). Here
+Llama-3.1-8B draft dims on an H200 (docs/BENCHMARKS.md, the profile recorded at commit 98edbcd). Here
 
 - the bf16 working copy of a weight is refreshed in place, once, when the fp32 master changed (its version
   counter moved: the optimizer step, a checkpoint load), and shared by every TTT step, forward and backward;
@@ -15,15 +15,16 @@ Llama-3.1-8B draft dims on an H200 (BENCHMARKS.md, fourth session's profile). He
 Forward values and input gradients are autocast's (the same bf16 weights and inputs); weight gradients are
 at least as exact. The matmuls stay inside the compiled regions (the function is traceable); a compiled
 region cannot see the master weight change, so :func:`refresh_working_weights` runs before every forward
-(``eyas.train.TTTObjective`` calls it). FSDP2 casts its own gathered shards and does not use this.
+(``eyas.trainer.TTTObjective`` calls it). FSDP2 casts its own gathered shards and does not use this.
 
 Deferred weight gradients (:func:`begin_deferred_wgrad`; `eyas train`'s default where it applies): training-time
 test uses each layer weight once per TTT step, and autograd forms one fp32 gradient per use and adds them (two
 in-place adds of the whole layer's gradients per micro-batch: 3.2 ms of a 63 ms step at Kimi-K2.5 dims on an H200,
-seventh session's profile), holding the running sum and the next use's gradient at once. Deferred, each use's
-gradient is accumulated by its matmul into one fp32 buffer (``torch.addmm(..., out_dtype=)``, beta 1) outside the
-compiled region, and autograd receives the finished sum once: no adds, no second gradient-sized buffer (measured on
-an H200, eighth session: 2.0 GiB less peak at Kimi-K2.5 dims, 0.97 GiB at Llama-3.1-8B dims).
+the profile recorded at commit d42f3e5), holding the running sum and the next use's gradient at once. Deferred,
+each use's gradient is accumulated by its matmul into one fp32 buffer (``torch.addmm(..., out_dtype=)``, beta 1)
+outside the compiled region, and autograd receives the finished sum once: no adds, no second gradient-sized
+buffer (measured on an H200 at commit 912458c: 2.0 GiB less peak at Kimi-K2.5 dims, 0.97 GiB at Llama-3.1-8B
+dims).
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ class FusedAdamW(torch.optim.AdamW):
     working copy (:class:`WorkingLinear`), where torch's fused step and the copies' refresh read the updated
     weights a second time (3.5 GB a step at Kimi-K2.5 draft dims). The same update as torch's (decoupled weight
     decay, bias corrections from the step count kept on the device, gradients divided by ``grad_scale`` as
-    :func:`eyas.train.clip_gradients` sets it), the same state and state dict, so checkpoints of either resume in
+    :func:`eyas.optim.clip_gradients` sets it), the same state and state dict, so checkpoints of either resume in
     the other. Elsewhere (CPU, Triton missing, ``amsgrad``/``maximize``) it is torch's step."""
 
     def __init__(self, params, **kwargs) -> None:

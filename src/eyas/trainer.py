@@ -72,8 +72,8 @@ def compile_draft(draft) -> None:
     """Compile the draft for training in place (state-dict keys unchanged): each TTT step's layer, attention
     included, and final norm as one region (:meth:`eyas.model.Eagle3Draft.ttt_block`). Each region costs the
     host a guard check and an autograd wrapper per call, forward and backward, and the step is host-bound at
-    2048 tokens: one region per TTT step (the fifth session had four: the layer's halves around an eager
-    attention call that ran its own compiled flex kernel, and the norm)."""
+    2048 tokens: one region per TTT step (before commit e2b6822 there were four: the layer's halves around an
+    eager attention call that ran its own compiled flex kernel, and the norm)."""
     draft.ttt_block = torch.compile(draft.ttt_block, dynamic=False)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
 
@@ -187,7 +187,7 @@ class Trainer:
                                  compiled=compiled, deferred_wgrad=o.deferred_wgrad,
                                  chunk_tokens=o.loss_chunk_tokens)  # fmt: skip
         # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
-        # --loader-embeddings keeps in host memory onto the device (as it did until the seventh session)
+        # --loader-embeddings keeps in host memory onto the device (as it did before commit 936a0af)
         objective.step_weights = objective.step_weights.to(device)
         self.model, self.loss_factor = self._parallelize(objective, dist_mode)
         self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,

@@ -195,8 +195,8 @@ def test_compiled_training_run_end_to_end(tmp_path):
 
 def test_loader_embeddings_keep_the_table_off_the_device(tmp_path, monkeypatch):
     """--loader-embeddings must leave the frozen embedding in host memory: the peak drops by about its size.
-    (Until the seventh session the trainer's blanket ``.to(device)`` copied it to the device anyway; the stage 22
-    A/B at Llama-3.1-8B dims showed the same peak both ways.)"""
+    (Before commit 936a0af the trainer's blanket ``.to(device)`` copied it to the device anyway; an A/B at
+    Llama-3.1-8B dims showed the same peak both ways.)"""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import synthetic
 
