@@ -406,7 +406,7 @@ class Eagle3Draft(nn.Module):
 
     def ttt_block(self, embeds, hidden, cos, sin, past_keys, past_values, mask, impl: AttnImpl):
         """:meth:`step`'s layers and final norm in training-time test, as a function of tensors only
-        (``eyas.train.compile_draft`` compiles it as one region: the host dispatches one graph per TTT step, not
+        (``eyas.trainer.compile_draft`` compiles it as one region: the host dispatches one graph per TTT step, not
         four). ``past_keys[i]`` / ``past_values[i]``: layer ``i``'s keys and values of the earlier steps.
         Returns ``(normed, prenorm, keys, values)``, ``keys[i]`` this step's of layer ``i``; see
         :meth:`Eagle3DecoderLayer.ttt_forward`."""

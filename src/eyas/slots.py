@@ -101,7 +101,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     values into their slots and attends to the slot's keys (see :class:`Slots`)."""
     slots = _ACTIVE
     if slots is None:
-        raise EyasError("internal: the eyas slot attention ran outside eyas.generate.slot_attention")
+        raise EyasError("internal: the eyas slot attention ran outside eyas.slots.slot_attention")
     if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): another softmax
         raise EyasError("the eyas generation engine does not support attention sinks (s_aux)")
     layer = module.layer_idx

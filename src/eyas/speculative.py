@@ -88,7 +88,7 @@ class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
     Its fixed shapes (catching up 1..K+1 positions after a round, one drafting step) are CUDA graphs on CUDA
-    (:class:`eyas.generate.Graphs`); a prompt's catch-up of any length runs eagerly.
+    (:class:`eyas.graphs.Graphs`); a prompt's catch-up of any length runs eagerly.
     """
 
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True) -> None:
