@@ -1,5 +1,5 @@
 """The optimizer step at real draft dims: torch's fused AdamW followed by the working copies' refresh (eyas
-until the ninth session) against eyas' FusedAdamW, one Triton kernel per weight that also writes its bf16
+before commit b44b6f7) against eyas' FusedAdamW, one Triton kernel per weight that also writes its bf16
 working copy (``eyas.precision``). Time per step and the bandwidth the bytes imply.
 
 Bytes per step, the floor both approach: each trainable fp32 weight reads weight, gradient and two moments and

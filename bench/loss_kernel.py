@@ -3,8 +3,8 @@ its gradient, the argmax) compiled several ways: time per call, achieved bandwid
 
 The chunk reads the draft's and the verifier's logits ([C, N] each, bf16) and writes the gradient ([C, N]);
 anything beyond one pass over those bytes is overhead. Inductor's default splits a long row reduction into
-partial and final kernels (and then gives up its online softmax), which the fifth session's profiles showed at
-about 0.5 TB/s on an H200.
+partial and final kernels (and then gives up its online softmax), which the profiles recorded in commit 3a5aab6
+showed at about 0.5 TB/s on an H200.
 
     python bench/loss_kernel.py                   # on the GPU: one JSON line per variant
     python bench/loss_kernel.py --rows 64 --vocab 1000 --iters 3   # on CPU: proves it runs

@@ -7,7 +7,7 @@ and ``speculators.train.cli.main`` runs in this process for ``--steps`` optimize
 
 - ``defaults``: what its users get (Muon, norm_before_residual / norm_before_fc / norm_output, sliding window
   2048), only ``--loss-implementation eager`` changed: its fused Triton loss crashes under torch 2.11 / triton 3.6
-  (shared/GPU.md);
+  (dynamo: "ListVariable ... already tracked for mutation" in its kernel configs);
 - ``matched``: eyas' settings: AdamW (lr 1e-4, no decay), all layout flags off, full attention.
 
 Throughput is read the way eyas' is: tokens between its metric records (one device sync each, every
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--keep-output", action="store_true",
                    help="keep the run's checkpoints (by default removed after the measurement: a run of real dims "
-                        "writes GiBs, and a GPU machine's disk filled up in the eighth session)")  # fmt: skip
+                        "writes GiBs, enough to fill a GPU machine's 64 GiB disk)")  # fmt: skip
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.steps, a.seq_len = "smoke", 6, 64

@@ -5,7 +5,7 @@ optimizer steps and prints one JSON line. Throughput is measured over the log wi
 pays for torch.compile); every ``--profile-every``-th step syncs at phase boundaries for the breakdown.
 
 MFU counts the draft's matmul FLOPs per token (the work any EAGLE-3 trainer must do; the verifier-side target
-logits and full-vocab argmax are not counted) against a measured bf16 peak (790 TFLOP/s on an H200, GPU.md):
+logits and full-vocab argmax are not counted) against a measured bf16 peak (790 TFLOP/s on an H200: an 8192^3 bf16 matmul):
 
     fc (once, no input grad): 2 * 2 * 3H*H
     per TTT step, x3 for forward + backward: 2 * (2H*(heads + 2*kv)*hd + heads*hd*H + 3*H*I)
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import synthetic  # noqa: E402
 
-PEAK_BF16 = 790e12  # measured bf16 dense matmul on one H200 (shared/GPU.md)
+PEAK_BF16 = 790e12  # measured bf16 dense matmul (8192^3) on one H200
 
 
 def draft_flops_per_token(d: synthetic.Dims, *, steps: int, seq_len: int, frozen_head: bool = False) -> float:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="bf16 working copies cast once per step, fp32 weight gradients from the matmuls (default: on)")
     p.add_argument("--keep-output", action="store_true",
                    help="keep the run's draft and checkpoints (by default removed after the measurement: a run of "
-                        "real dims writes GiBs, and a GPU machine's disk filled up in the eighth session)")  # fmt: skip
+                        "real dims writes GiBs, enough to fill a GPU machine's 64 GiB disk)")  # fmt: skip
     p.add_argument("--deferred-wgrad", action=argparse.BooleanOptionalAction, default=None,
                    help="each layer weight's gradient accumulated over the TTT steps by its matmuls (default: on "
                         "with working weights and without --gradient-checkpointing)")
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--torch-adamw", action="store_true",
-                   help="A/B: torch's fused AdamW step and a separate working-copy refresh (eyas before the ninth "
-                        "session) instead of eyas' Triton step")  # fmt: skip
+                   help="A/B: torch's fused AdamW step and a separate working-copy refresh (eyas before commit "
+                        "b44b6f7) instead of eyas' Triton step")  # fmt: skip
     p.add_argument("--num-workers", type=int, default=4)
     p.add_argument("--dist", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     p.add_argument("--log-every", type=int, default=10)

@@ -148,6 +148,6 @@ def test_shipped_configs_check():
     for c in configs:
         _, _, plan = check(str(c))
         assert plan, c
-    _, root, plan = check(str(configs[0].parent / "smollm2-gpu-regenerated.toml"))
+    _, root, plan = check(str(configs[0].parent / "smollm2-gpu.toml"))
     stages = {name: args for name, _, args in plan}
     assert stages["prepare"]["data"] == str(root / "regenerated") and "regenerate" in stages

@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
-# The generation engine on one H200 (kind nvidia-h200, carry .whl .carry): the GPU tests (CUDA graphs against
-# eager decoding), then speed on SmolLM2-135M's shape with random weights (`random`: no GGUF needed; every
-# answer runs to --max-new-tokens) or on the real SmolLM2 GGUF in /tmp/g (`real`): eyas's engine against
-# transformers' static-cache generate and continuous batching on ShareGPT's first turns, and eval's batch-1
-# loops (plain and speculative with an untrained draft: what a round costs).
-#   bash bench/gpu/generate.sh random      # about 5 minutes on a fresh machine
+# The generation engine (eyas.generate, behind eyas regenerate and eyas eval) on one H200: the GPU tests (CUDA
+# graphs against eager decoding), then eyas's engine against transformers' static-cache generate and continuous
+# batching on ShareGPT's first turns (bench/regenerate_throughput.py), and eval's batch-1 loops, plain and
+# speculative (bench/eval_speedup.py; an untrained draft, what a round costs, unless DRAFT=DIR names a trained
+# one). Figures and what they mean: docs/BENCHMARKS.md, "Generation" and "eyas eval".
+#
+# Kind nvidia-h200. Either one call on SmolLM2-135M's config and tokenizer with random weights (no GGUF needed;
+# every answer runs to --max-new-tokens: raw decoding speed on the real prompt lengths):
+#   bash bench/gpu/generate.sh random   carry .whl .carry/smol-config .carry/sharegpt_prompts.jsonl.gz
+#                                       .carry/mt_bench.jsonl                                    about 5 min
+# or the real SmolLM2 in two calls back to back on one machine (its GGUF travels in two halves):
+#   bash bench/gpu/generate.sh part0    carry .whl .carry/smol.part00 .carry/sharegpt_prompts.jsonl.gz
+#                                       .carry/mt_bench.jsonl: the wheels, the first half and the prompts in /tmp/g
+#   bash bench/gpu/generate.sh real     carry .carry/smol.part01: joins the GGUF, then the same runs on it
+# Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/status.txt"
-if [ "$1" = random ]; then
+mode=${1:-}
+case "$mode" in
+  random|part0|real) ;;
+  *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
+esac
+install_wheels
+if [ "$mode" = part0 ]; then
+  stash_part0
+  exit 0
+elif [ "$mode" = random ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -20,15 +36,15 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(f".carry/smol-config/{f}", "/tmp/smol-random")
 PY
 else
+  join_gguf
   V=$GGUF
 fi
-P=".carry/sharegpt_prompts.jsonl.gz"
+P=$(carried sharegpt_prompts.jsonl.gz)
 run gpu_tests timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_generate_gpu.py
 run regen_2048 timeout 200 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 2048 \
   --max-new-tokens 256 --methods engine,hf-static
 run regen_cb_256 timeout 120 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 256 \
   --max-new-tokens 256 --methods engine,hf-cb
-run eval_8 timeout 150 python3 bench/eval_speedup.py --verifier $V --prompts .carry/mt_bench.jsonl --num-prompts 8 \
-  --max-new-tokens 256 --modes graphs --draft-tokens 3
-cd $OUT && cat *.jsonl > results.jsonl && for f in *.err; do echo "=== $f"; tail -c 3000 $f; done > errs.txt
-rm -f *.err $(ls *.jsonl | grep -v results.jsonl); cat status.txt
+run eval_8 timeout 150 python3 bench/eval_speedup.py --verifier $V --draft ${DRAFT:-random} \
+  --prompts "$(carried mt_bench.jsonl)" --num-prompts 8 --max-new-tokens 256 --modes graphs --draft-tokens 3
+collect

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct from nothing to a measured draft on one H200 (kind nvidia-h200), in two calls back to
-# back on one machine (the GGUF travels in two halves, see shared/GPU.md):
-#   bash bench/gpu/quality.sh part0   carry .whl, .carry/smol.part00 and the prompt files .carry/{sharegpt_prompts.jsonl.gz,
-#        mt_bench.jsonl,humaneval.jsonl.gz}: installs the wheels, keeps the first half and the prompts in /tmp/g
-#   bash bench/gpu/quality.sh part1   carry .carry/smol.part01: joins the GGUF, then
-#        regenerate (ShareGPT first two turns), prepare, vocab, two online trainings side by side (two learning
-#        rates), eval of the better one by validation tau: 48 MT-Bench questions (both turns) at K=3 with the plain
-#        baseline, all of HumanEval at K=3 (tau only), then K=5,7 on MT-Bench while time remains (about 9.5 min)
-# Sizes can be shrunk for a dry run on a CPU: SAMPLES, NEW, STEPS, MT_PROMPTS, HE_PROMPTS, VOCAB, SEQ, BATCH, DEVICE, GGUF (a tiny
-# checkpoint), DATA (where the prompt files are; default /tmp/g, filled by part0).
+# SmolLM2-135M-Instruct from nothing to a measured draft: regenerate (ShareGPT's first two turns answered by the
+# verifier), prepare, vocab, two online trainings side by side (two learning rates), then eyas eval of the one
+# with the better validation tau: 48 MT-Bench questions (both turns) at K=3 with the plain baseline, all of
+# HumanEval at K=3 (tau only), then K=5,7 on MT-Bench while time remains. Figures: docs/BENCHMARKS.md, "SmolLM2
+# from nothing".
+#
+# Kind nvidia-h200, two calls back to back on one machine (the GGUF travels in two halves; build them and the
+# prompt files with bench/gpu/prepare_carry.sh):
+#   bash bench/gpu/quality.sh part0   carry .whl .carry/smol.part00 .carry/sharegpt_prompts.jsonl.gz
+#                                     .carry/mt_bench.jsonl .carry/humaneval.jsonl.gz: installs the wheels, keeps
+#                                     the first half and the prompts in /tmp/g
+#   bash bench/gpu/quality.sh part1   carry .carry/smol.part01: joins the GGUF, then every stage (about 9.5 min;
+#                                     a stage cut by its limit resumes when the same call is made again, the
+#                                     finished stages skip themselves)
+# Sizes can be shrunk for a dry run on a CPU: SAMPLES, NEW, STEPS, MT_PROMPTS, HE_PROMPTS, VOCAB, SEQ, BATCH, DEVICE,
+# GGUF (a tiny checkpoint), DATA (where the prompt files are; default /tmp/g, filled by part0).
 # What each stage printed, its exit code and seconds, the manifests, metrics and eval reports land in
 # $OUT/run.tar.gz as each stage finishes, and $OUT/status.txt.
 set -u

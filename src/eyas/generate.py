@@ -91,7 +91,8 @@ class SequenceDecoder:
         slots = self.slots
         slots.start.fill_(start)
         slots.keys = key_bucket(start + T, self.capacity)
-        with slot_attention(self.model, slots), varying_shape_attention(self.device), contextlib.ExitStack() as stack:
+        with slot_attention(self.model, slots), varying_shape_attention(self.device), \
+                contextlib.ExitStack() as stack:  # fmt: skip
             if self.capture is not None:
                 stack.enter_context(self.capture)
             if T in self.graph_lengths and not last_only and self.graphs.enabled:

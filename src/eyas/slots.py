@@ -52,12 +52,13 @@ class Slots:
       ``targets[b]`` from position 0 (prefill of new requests; causal within each prompt).
     """
 
-    def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int]], dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int, torch.device]],
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.num_slots, self.capacity = slots, capacity
-        # layers[i] = (kv_heads, key_dim, value_dim) of decoder layer i
-        self.k = [torch.zeros(slots, h, capacity, dk, dtype=dtype, device=device) for h, dk, _ in layers]
-        self.v = [torch.zeros(slots, h, capacity, dv, dtype=dtype, device=device) for h, _, dv in layers]
+        # layers[i] = (kv_heads, key_dim, value_dim, device) of decoder layer i: a layer's slots live where it
+        # runs (a device map spreads layers over GPUs)
+        self.k = [torch.zeros(slots, h, capacity, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
+        self.v = [torch.zeros(slots, h, capacity, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
         self.rows = torch.arange(slots, device=device)
         self.layout = "rows"
         self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
@@ -65,15 +66,26 @@ class Slots:
         self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
         self.prompt_len = 0  # packed layout: Tp
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @staticmethod
-    def bytes_per_token(layers: list[tuple[int, int, int]], dtype: torch.dtype) -> int:
+    def bytes_per_token(layers: list[tuple[int, int, int, torch.device]], dtype: torch.dtype) -> int:
         """Key and value bytes one position of one sequence holds over all layers."""
-        return sum(h * (dk + dv) for h, dk, dv in layers) * torch.finfo(dtype).bits // 8
+        return sum(h * (dk + dv) for h, dk, dv, _ in layers) * torch.finfo(dtype).bits // 8
 
     def begin(self) -> None:
-        """Before each forward: masks are built once per forward and window size, on first use."""
-        self._masks = {}
+        """Before each forward: masks (and index tensors other devices need) are built once per forward, on
+        first use."""
+        self._masks, self._moved = {}, {}
+
+    def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device``, copied there at most once per forward (the layers of a device map)."""
+        if t.device == device:
+            return t
+        key = (id(t), device)
+        if key not in self._moved:
+            self._moved[key] = t.to(device)
+        return self._moved[key]
 
     def _mask(self, T: int, window: int | None) -> torch.Tensor:
         """rows layout: ``[S, 1, T, keys]`` bool, key ``j`` visible to new token ``t`` of row ``s`` when
@@ -113,8 +125,9 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q = query[0].reshape(H, B, Tp, -1).transpose(0, 1)  # [B, H, Tp, dk]
         k = key[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dk]
         v = value[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dv]
-        K[slots.targets, :, :Tp] = k.to(K.dtype)
-        V[slots.targets, :, :Tp] = v.to(V.dtype)
+        targets = slots.on(slots.targets, K.device)
+        K[targets, :, :Tp] = k.to(K.dtype)
+        V[targets, :, :Tp] = v.to(V.dtype)
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, H, Tp, d]
         mask = None
         if sliding_window is not None:
@@ -123,11 +136,12 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
         return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
     S, _, T, _ = query.shape
-    pos = (slots.start[:, None] + torch.arange(T, device=key.device)).clamp(max=slots.capacity - 1)  # [S, T]
-    K[slots.rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
-    V[slots.rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
+    start, rows = slots.on(slots.start, K.device), slots.on(slots.rows, K.device)
+    pos = (start[:, None] + torch.arange(T, device=K.device)).clamp(max=slots.capacity - 1)  # [S, T]
+    K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
+    V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
     n = slots.keys
-    mask = slots._mask(T, sliding_window)  # [S, 1, T, n]
+    mask = slots.on(slots._mask(T, sliding_window), K.device)  # [S, 1, T, n]
     # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
     # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
     q = query.reshape(S, kvh, G * T, -1)
@@ -179,13 +193,14 @@ def slot_attention(model, slots: Slots) -> Iterator[None]:
         model.set_attn_implementation(before)
 
 
-def layer_shapes(model) -> list[tuple[int, int, int]]:
-    """``(kv_heads, key_dim, value_dim)`` per decoder layer, read off one forward of one token (so every
-    attention variant transformers implements, MLA's wider keys included, is sized by what it really stores)."""
-    seen: dict[int, tuple[int, int, int]] = {}
+def layer_shapes(model) -> list[tuple[int, int, int, torch.device]]:
+    """``(kv_heads, key_dim, value_dim, device)`` per decoder layer, read off one forward of one token (so every
+    attention variant transformers implements, MLA's wider keys included, is sized by what it really stores,
+    and placed where a device map runs the layer)."""
+    seen: dict[int, tuple[int, int, int, torch.device]] = {}
 
     def probe(module, query, key, value, attention_mask, **kwargs):
-        seen[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1])
+        seen[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1], key.device)
         B, H, T, _ = query.shape
         return query.new_zeros(B, T, H, value.shape[-1]), None
 
