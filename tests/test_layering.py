@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "__init__": BASE,
     "errors": BASE,
     "manifest": BASE,
+    "config": BASE,
     "validate": BASE,
     "dist": BASE,
     "named_sets": BASE,

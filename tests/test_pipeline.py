@@ -149,5 +149,5 @@ def test_shipped_configs_check():
         _, _, plan = check(str(c))
         assert plan, c
     _, root, plan = check(str(configs[0].parent / "smollm2-gpu.toml"))
-    stages = {name: args for name, _, args in plan}
-    assert stages["prepare"]["data"] == str(root / "regenerated") and "regenerate" in stages
+    stages = {name: config for name, _, config in plan}
+    assert stages["prepare"].data == str(root / "regenerated") and "regenerate" in stages

@@ -389,6 +389,6 @@ def test_credentials_leave_the_url():
 
 
 def test_bad_server_timeout_is_refused_before_anything_runs(tmp_path):
-    with pytest.raises(EyasError, match="--server-timeout must be positive"):
+    with pytest.raises(EyasError, match="--server-timeout must be above 0"):
         regenerate(verifier="no/such/dir", data=str(tmp_path / "x.jsonl"), out=str(tmp_path / "o"),
                    server="http://127.0.0.1:1/v1", server_timeout=0)  # fmt: skip

@@ -408,7 +408,7 @@ def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
         train(data=inputs["features"], vocab=str(bad), **base)
     with pytest.raises(EyasError, match="--layers"):
         train(data=inputs["features"], layers=[1, 2, 3], **base)
-    with pytest.raises(EyasError, match="--loss-chunk-tokens must be >= 1"):
+    with pytest.raises(EyasError, match="--loss-chunk-tokens must be at least 1"):
         train(data=inputs["features"], loss_chunk_tokens=0, **base)
     with pytest.raises(EyasError, match="--drop-out-of-vocab needs the verifier's full-vocab argmax"):
         train(data=inputs["features"], vocab=inputs["vocab"], drop_out_of_vocab=True, full_vocab_accuracy=False,
@@ -446,5 +446,5 @@ def test_variant_flags_train_a_draft_that_loads_and_exports(inputs, tmp_path):
     config = tmp_path / "variants.toml"
     config.write_text('verifier = "x"\n[train]\nfc_norm = true\nnorm_output = true\ndraft_arch = "qwen3"\n'
                       "num_layers = 2\n")  # fmt: skip
-    (_, _, [(stage, _, args)]) = check(str(config))
-    assert stage == "train" and (args["fc_norm"], args["draft_arch"], args["num_layers"]) == (True, "qwen3", 2)
+    (_, _, [(stage, _, c)]) = check(str(config))
+    assert stage == "train" and (c.fc_norm, c.draft_arch, c.num_layers) == (True, "qwen3", 2)

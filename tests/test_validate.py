@@ -1,5 +1,5 @@
 """Arguments are checked once, at the boundary, before any stage runs: flags (`eyas.cli`) and `eyas run` configs
-(`eyas.pipeline`) alike, by `eyas.validate` from the stage functions' signatures and one table of ranges. Each
+(`eyas.pipeline`) alike, by `eyas.validate` from the stage configs' fields and one table of ranges. Each
 bad value is one line naming the flag or key, with the usage-error exit code, and nothing is written."""
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def test_eval_out_may_name_its_report_file(made, tmp_path):
     report = tmp_path / "report.json"
     report.write_text("{}")
     args = {"verifier": made.verifier, "draft": "random", "prompts": "p", "out": str(report)}
-    from eyas.evaluate import evaluate
+    from eyas.evaluate import EvalConfig
 
-    assert check_arguments(evaluate, args, stage="eval")["out"] == str(report)
+    assert check_arguments(EvalConfig, args).out == str(report)
 
 
 def _without_root_powers() -> None:
@@ -181,8 +181,8 @@ def test_config_numbers_are_normalised(made, tmp_path):
     """An int where a float belongs is taken (TOML's `lr = 1` is 1.0); the plan holds the checked values."""
     cfg = _config(tmp_path, made, f'[prepare]\ndata = "{made.conversations}"\n[train]\nlr = 1\nepochs = 2\n')
     _, _, plan = check(str(cfg))
-    train = dict((n, a) for n, _, a in plan)["train"]
-    assert train["lr"] == 1.0 and isinstance(train["lr"], float) and train["epochs"] == 2
+    train = dict((n, c) for n, _, c in plan)["train"]
+    assert train.lr == 1.0 and isinstance(train.lr, float) and train.epochs == 2
 
 
 def test_range_reads_as_it_checks():

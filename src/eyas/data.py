@@ -37,12 +37,13 @@ from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, ClassVar, Iterator, Literal
 
 import numpy as np
 import pyarrow as pa
 
 from eyas.chat import ChatTemplate, TemplateSplitError
+from eyas.config import StageConfig, option, stage_function
 from eyas.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.errors import EyasError
 from eyas.manifest import (
@@ -287,51 +288,46 @@ class _Parts:
 # --------------------------------------------------------------------------- the stage
 
 
-def prepare(
-    *,
-    verifier: str,
-    data: str,
-    out: str,
-    max_seq_len: int = 2048,
-    max_samples: int | None = None,
-    seed: int = 0,
-    strict: bool = False,
-    on_overflow: Literal["truncate", "drop"] = "truncate",
-    num_proc: int | None = None,
-    trust_remote_code: bool = False,
-    chat_template: str | None = None,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class PrepareConfig(StageConfig):
     """Tokenize conversations with the verifier's chat template and mark exactly the assistant's tokens.
 
     Writes OUT/rows (input_ids, loss_mask, seq_len, row_id) and OUT/manifest.json with every row that
-    was cut or dropped, by reason and row number. Skips itself when OUT already matches.
+    was cut or dropped, by reason and row number. Skips itself when OUT already matches."""
 
-    Args:
-        verifier: the verifier checkpoint (dir, .gguf, or 'smollm2'); its tokenizer and chat template are used.
-        data: a .json/.jsonl/.parquet file or a folder of them (ShareGPT or OpenAI layout), or a named set:
-            sharegpt, mt-bench, humaneval.
-        out: the output directory.
-        max_seq_len: the most tokens a row may have.
-        max_samples: keep a seeded random sample of this many conversations.
-        seed: the seed of that sample.
-        strict: stop at the first bad row instead of counting and skipping it.
-        on_overflow: a row longer than max-seq-len is cut after its last assistant turn that fits
-            (truncate), or dropped (drop).
-        num_proc: worker processes for tokenization (default: every core).
-        trust_remote_code: allow the verifier's own tokenizer code to run (recorded by hash).
-        chat_template: render with this template instead of the tokenizer's own (a base model has none): a Jinja
-            file, or a checkpoint (dir, .gguf, hub id) whose template to use; its sha256 is recorded. Give the
-            same to eval.
-    """
+    stage: ClassVar[str] = "prepare"
+
+    verifier: str = option(help="the verifier checkpoint (dir, .gguf, or 'smollm2'); its tokenizer and chat template "
+                                "are used.")
+    data: str = option(help="a .json/.jsonl/.parquet file or a folder of them (ShareGPT or OpenAI layout), or a named "
+                            "set: sharegpt, mt-bench, humaneval.")
+    out: str = option(help="the output directory.")
+    max_seq_len: int = option(2048, help="the most tokens a row may have.")
+    max_samples: int | None = option(None, help="keep a seeded random sample of this many conversations.")
+    seed: int = option(0, help="the seed of that sample.")
+    strict: bool = option(False, help="stop at the first bad row instead of counting and skipping it.")
+    on_overflow: Literal["truncate", "drop"] = option(
+        "truncate", help="a row longer than max-seq-len is cut after its last assistant turn that fits (truncate), or "
+        "dropped (drop).")
+    num_proc: int | None = option(None, help="worker processes for tokenization (default: every core).")
+    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run (recorded by hash).")
+    chat_template: str | None = option(None, help="render with this template instead of the tokenizer's own (a base "
+                                                  "model has none): a Jinja file, or a checkpoint (dir, .gguf, hub "
+                                                  "id) whose template to use; its sha256 is recorded. Give the same "
+                                                  "to eval.")
+
+
+def run(c: PrepareConfig) -> dict[str, Any]:
+    """Run `eyas prepare` as ``c`` describes (see :class:`PrepareConfig`)."""
     import datasets
 
     from eyas.verifier import load_tokenizer, remote_code_hashes
     from eyas.verifier_info import fingerprint, resolve
 
-    if max_seq_len < 2:
-        raise EyasError(f"--max-seq-len must be at least 2, got {max_seq_len}")
-    if max_samples is not None and max_samples < 1:
-        raise EyasError(f"--max-samples must be positive, got {max_samples}")
+    verifier, data, out, max_seq_len, max_samples = c.verifier, c.data, c.out, c.max_seq_len, c.max_samples
+    seed, strict, on_overflow, num_proc = c.seed, c.strict, c.on_overflow, c.num_proc
+    trust_remote_code, chat_template = c.trust_remote_code, c.chat_template
+
     out_dir = Path(out)
     # the lock first: a second prepare into this --out stops here, before it reads anything, and another
     # stage's folder is refused before anything in it changes
@@ -423,6 +419,9 @@ def prepare(
         parts.remove()
     _print_summary(out_dir, outputs, report)
     return manifest
+
+
+prepare = stage_function(PrepareConfig, run, "prepare")
 
 
 def _save_quietly(ds, path: Path) -> None:

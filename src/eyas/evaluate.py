@@ -10,12 +10,14 @@ tau the draft's TTT accuracy predicts stands beside the measured one (:mod:`eyas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from eyas.chat import end_of_turn_ids
+from eyas.config import StageConfig, option, stage_function
 from eyas.errors import EyasError
 from eyas.generate import device_and_dtype
 from eyas.measure import Runners, as_prompts, conversation_bound, measure, recheck_fp32_turns, summarize
@@ -73,74 +75,73 @@ def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = 
             "draft": d, "draft_manifest": manifest, "model": model}  # fmt: skip
 
 
-def evaluate(
-    *,
-    verifier: str,
-    draft: str,
-    prompts: str,
-    out: str | None = None,
-    num_prompts: int | None = None,
-    max_new_tokens: int = 256,
-    draft_tokens: list[int] = [3],  # noqa: B006 (read only; a list so the CLI reads --draft-tokens 3,5,7)
-    temperature: float = 0.0,
-    seed: int = 0,
-    offline: str | None = None,
-    offline_rows: int = 256,
-    device: str | None = None,
-    dtype: str = "auto",
-    cuda_graphs: bool = True,
-    compile: bool = True,
-    baseline: bool = True,
-    recheck_fp32: bool = False,
-    trust_remote_code: bool = False,
-    chat_template: str | None = None,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig(StageConfig):
     """Measure a draft by real speculative decoding on the verifier: tau, per-position acceptance, losslessness,
     and the speedup over plain decoding of the same prompts in the same run.
 
     Each prompt's turns are decoded in order through the verifier's chat template; a later turn (MT-Bench's
     second) follows the verifier's own plain-decoded answer to the turn before, so every loop sees the same
     conversation. Several K (`--draft-tokens 3,5,7`) are measured on the same turns in one run. Prints a table;
-    ``--out`` writes the report as JSON and a PNG histogram of accepted lengths.
+    ``--out`` writes the report as JSON and a PNG histogram of accepted lengths."""
 
-    Args:
-        verifier: the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).
-        draft: a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or 'random' for an
-            untrained draft (the floor of acceptance).
-        prompts: 'mt-bench', 'humaneval', or a local JSON/JSONL/parquet file of prompts or conversations.
-        out: where to write the report: a .json path (the histogram PNG goes beside it) or a directory.
-        num_prompts: evaluate this many prompts (a seeded sample); default all.
-        max_new_tokens: new tokens per turn at most (decoding also stops at the end-of-turn token).
-        draft_tokens: K, the draft tokens proposed per round; several (3,5,7) are each measured on the same turns
-            (the report's top-level figures are the first K's, every K's under by_draft_tokens).
-        temperature: 0 for greedy acceptance; above 0 speculative sampling at this temperature.
-        seed: seeds the prompt sample and all sampling.
-        offline: an `eyas extract` features dir: also predict tau from the draft's per-step conditional accuracy
-            on those features: the validation rows train held out when they are the features (or prepared rows)
-            the draft trained on, else their first --offline-rows rows; the report says which.
-        offline_rows: rows of --offline features to use at most.
-        device: cuda or cpu (default: cuda when available).
-        dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.
-        cuda_graphs: on CUDA, record every fixed-shape decoding forward (plain step, verification, draft steps)
-            once as a CUDA graph and replay it, for both loops alike.
-        compile: with CUDA graphs, compile the verifier's decoder layers (torch.compile, one layer's worth of
-            compiling) for the recorded forwards of both loops alike: fewer, fused kernels a step.
-        baseline: also run plain decoding (needed for the lossless check and the speedup).
-        recheck_fp32: decode every turn whose speculative output differs from plain greedy decoding again in
-            fp32, to tell near-ties of the compute dtype from real differences.
-        trust_remote_code: allow the verifier's tokenizer to run checkpoint code (never on by default).
-        chat_template: render prompts with this template instead of the tokenizer's own (a base model has none): a
-            Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; the one the draft's data was
-            prepared with.
-    """
+    stage: ClassVar[str] = "eval"
+
+    verifier: str = option(help="the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).")
+    draft: str = option(help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
+                             "'random' for an untrained draft (the floor of acceptance).")
+    prompts: str | list[Any] = option(help="'mt-bench', 'humaneval', or a local JSON/JSONL/parquet file of prompts "
+                                           "or conversations (in Python or a config, also a list of prompts: strings, "
+                                           "lists of turns, or records with turns).")
+    out: str | None = option(None, help="where to write the report: a .json path (the histogram PNG goes beside it) "
+                                        "or a directory.")
+    num_prompts: int | None = option(None, help="evaluate this many prompts (a seeded sample); default all.")
+    max_new_tokens: int = option(256, help="new tokens per turn at most (decoding also stops at the end-of-turn "
+                                           "token).")
+    draft_tokens: list[int] = option([3], help="K, the draft tokens proposed per round; several (3,5,7) are each "
+                                               "measured on the same turns (the report's top-level figures are the "
+                                               "first K's, every K's under by_draft_tokens).")
+    temperature: float = option(0.0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature.")
+    seed: int = option(0, help="seeds the prompt sample and all sampling.")
+    offline: str | None = option(None, help="an `eyas extract` features dir: also predict tau from the draft's "
+                                            "per-step conditional accuracy on those features: the validation rows "
+                                            "train held out when they are the features (or prepared rows) the draft "
+                                            "trained on, else their first --offline-rows rows; the report says which.")
+    offline_rows: int = option(256, help="rows of --offline features to use at most.")
+    device: str | None = option(None, help="cuda or cpu (default: cuda when available).")
+    dtype: str = option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")
+    cuda_graphs: bool = option(True, help="on CUDA, record every fixed-shape decoding forward (plain step, "
+                                          "verification, draft steps) once as a CUDA graph and replay it, for both "
+                                          "loops alike.")
+    compile: bool = option(True, help="with CUDA graphs, compile the verifier's decoder layers (torch.compile, one "
+                                      "layer's worth of compiling) for the recorded forwards of both loops alike: "
+                                      "fewer, fused kernels a step.")
+    baseline: bool = option(True, help="also run plain decoding (needed for the lossless check and the speedup).")
+    recheck_fp32: bool = option(False, help="decode every turn whose speculative output differs from plain greedy "
+                                            "decoding again in fp32, to tell near-ties of the compute dtype from real "
+                                            "differences.")
+    trust_remote_code: bool = option(False, help="allow the verifier's tokenizer to run checkpoint code (never on by "
+                                                 "default).")
+    chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "
+                                                  "(a base model has none): a Jinja file, or a checkpoint (dir, "
+                                                  ".gguf, hub id) whose template to use; the one the draft's data was "
+                                                  "prepared with.")
+
+
+def run(c: EvalConfig) -> dict[str, Any]:
+    """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
     from eyas.manifest import versions, write_json
     from eyas.chat import chat_template_hash
 
-    Ks = [draft_tokens] if isinstance(draft_tokens, int) else list(dict.fromkeys(int(k) for k in draft_tokens))
+    verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
+    max_new_tokens, draft_tokens, temperature, seed = c.max_new_tokens, c.draft_tokens, c.temperature, c.seed
+    offline, offline_rows, device, dtype, cuda_graphs = c.offline, c.offline_rows, c.device, c.dtype, c.cuda_graphs
+    compile, baseline, recheck_fp32, trust_remote_code = c.compile, c.baseline, c.recheck_fp32, c.trust_remote_code
+    chat_template = c.chat_template
+
+    Ks = list(dict.fromkeys(draft_tokens))
     if not Ks or min(Ks) < 1:
         raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
-    if temperature < 0:
-        raise EyasError(f"--temperature must be 0 or more, got {temperature}")
     offline_rows_from = None
     if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
         from eyas.features import FeatureReader
@@ -206,6 +207,9 @@ def evaluate(
         report["report_json"] = str(json_path)
     _print_report(report)
     return report
+
+
+evaluate = stage_function(EvalConfig, run, "evaluate")
 
 
 # --------------------------------------------------------------------------- the report

@@ -28,9 +28,9 @@ have can be evaluated or fine-tuned with eyas.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -44,6 +44,7 @@ from eyas.checkpoint import (
     save_tensors,
     write_checkpoint,
 )
+from eyas.config import StageConfig, option, stage_function
 from eyas.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.errors import EyasError
 from eyas.manifest import (
@@ -87,34 +88,46 @@ MIN_RELEASE: dict[str, dict[str, str | None]] = {
     },
 }
 
-def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "speculators",
-           from_format: Literal["speculators", "eagle"] | None = None, verifier: str | None = None,
-           verifier_name: str | None = None, speculative_tokens: int | None = None,
-           include_embeddings: bool = False,
-           dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16") -> dict[str, Any]:  # fmt: skip
+@dataclass(kw_only=True, frozen=True)
+class ExportConfig(StageConfig):
     """Write a draft in the layout vLLM (speculators) or SGLang (EAGLE) loads as is, or import one.
 
     Every key and shape is checked against the config, the vocab maps against each other, and (with
     --verifier) the draft against the verifier's vocab, hidden size and layer count. Writes are atomic; a
-    rerun with the same inputs is skipped; manifest.json records the conversion.
+    rerun with the same inputs is skipped; manifest.json records the conversion."""
 
-    Args:
-        draft: the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).
-        out: the directory to write.
-        format: the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE).
-        from_format: read the draft as an 'eagle' checkpoint (EAGLE, SpecForge, SGLang: midlayer.* or
-            layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves it);
-            default: the native layout, which is speculators'.
-        verifier: the verifier checkpoint the draft is for: checked against the draft, and the source of the
-            default aux layers for an EAGLE draft whose config names none, and of the embedding for
-            --include-embeddings.
-        verifier_name: the verifier's hub id to record in speculators_config.verifier.name_or_path (`vllm serve
-            DRAFT` needs a hub id, not a local path); default: what the draft records, else --verifier.
-        speculative_tokens: tokens to draft per step, recorded for vLLM; default: what the draft records, else 3.
-        include_embeddings: also write embed_tokens.weight (vLLM and SGLang use the verifier's; speculators
-            0.9 needs it to fine-tune reliably, see docs/FORMATS.md).
-        dtype: the dtype of the floating-point weights written.
-    """
+    stage: ClassVar[str] = "export"
+
+    draft: str = option(positional=True, aliases=(), help="the draft checkpoint directory to read (eyas/speculators "
+                                                          "layout unless --from says otherwise).")
+    out: str = option(help="the directory to write.")
+    format: Literal["speculators", "eagle"] = option(
+        "speculators", help="the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE).")
+    from_format: Literal["speculators", "eagle"] | None = option(
+        None, aliases=("--from",), help="read the draft as an 'eagle' checkpoint (EAGLE, SpecForge, SGLang: "
+        "midlayer.* or layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves "
+        "it); default: the native layout, which is speculators'.")
+    verifier: str | None = option(None, help="the verifier checkpoint the draft is for: checked against the draft, "
+                                             "and the source of the default aux layers for an EAGLE draft whose "
+                                             "config names none, and of the embedding for --include-embeddings.")
+    verifier_name: str | None = option(None, help="the verifier's hub id to record in "
+                                                  "speculators_config.verifier.name_or_path (`vllm serve DRAFT` needs "
+                                                  "a hub id, not a local path); default: what the draft records, else "
+                                                  "--verifier.")
+    speculative_tokens: int | None = option(None, help="tokens to draft per step, recorded for vLLM; default: what "
+                                                       "the draft records, else 3.")
+    include_embeddings: bool = option(False, help="also write embed_tokens.weight (vLLM and SGLang use the "
+                                                  "verifier's; speculators 0.9 needs it to fine-tune reliably, see "
+                                                  "docs/FORMATS.md).")
+    dtype: Literal["bfloat16", "float16", "float32"] = option(
+        "bfloat16", help="the dtype of the floating-point weights written.")
+
+
+def run(c: ExportConfig) -> dict[str, Any]:
+    """Run `eyas export` as ``c`` describes (see :class:`ExportConfig`)."""
+    draft, out, format, from_format, verifier = c.draft, c.out, c.format, c.from_format, c.verifier
+    verifier_name, speculative_tokens, include_embeddings = c.verifier_name, c.speculative_tokens, c.include_embeddings
+    dtype = c.dtype
     src, dst = Path(draft), Path(out)
     if not src.is_dir():
         raise EyasError(f"draft {src} is not a directory")
@@ -171,6 +184,9 @@ def export(*, draft: str, out: str, format: Literal["speculators", "eagle"] = "s
         print(f"  note: the recorded verifier {recorded} is a local path; `vllm serve {dst}` needs a hub id "
               "(--verifier-name ORG/NAME), the command above works as is")  # fmt: skip
     return manifest
+
+
+export = stage_function(ExportConfig, run, "export")
 
 # --------------------------------------------------------------------------- checks
 

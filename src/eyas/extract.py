@@ -22,14 +22,16 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 import torch
 
 from eyas import features
 from eyas.batches import PreparedRows
+from eyas.config import StageConfig, option, stage_function
 from eyas.errors import EyasError
 from eyas.extractor import WINDOW_SHARDS, Extractor
 from eyas.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
@@ -158,38 +160,41 @@ def _still_good(out: Path, entry: dict[str, Any] | None) -> bool:
 # --------------------------------------------------------------------------- the stage
 
 
-def extract(
-    *,
-    verifier: str | None = None,
-    data: str | None = None,
-    out: str | None = None,
-    layers: list[int] | None = None,
-    batch_tokens: int | None = None,
-    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16",
-    device: str | None = None,
-    device_map: str | None = None,
-    shard_tokens: int | None = None,
-    speculators_out: str | None = None,
-    verify: str | None = None,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class ExtractConfig(StageConfig):
     """Run the verifier over prepared rows and store its aux and last hidden states as feature shards.
 
     Resumable (rerun the same command), distributed with
-    ``torchrun --nproc-per-node N -m eyas.cli extract ...``, and checkable with ``--verify DIR``.
+    ``torchrun --nproc-per-node N -m eyas.cli extract ...``, and checkable with ``--verify DIR``."""
 
-    Args:
-        verifier: the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must be for it.
-        data: a directory written by `eyas prepare`.
-        out: the output directory for the feature shards.
-        layers: three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3].
-        batch_tokens: tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU).
-        dtype: stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).
-        device: cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU.
-        device_map: 'auto' spreads a verifier larger than one GPU over all of them (one process only).
-        shard_tokens: tokens per shard (default: shards of at most 1 GiB).
-        speculators_out: also write the features in speculators' offline layout to this directory.
-        verify: check the shards of this finished output against its manifest (hashes) and exit.
-    """
+    stage: ClassVar[str] = "extract"
+
+    verifier: str | None = option(None, help="the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must "
+                                             "be for it.")
+    data: str | None = option(None, help="a directory written by `eyas prepare`.")
+    out: str | None = option(None, help="the output directory for the feature shards.")
+    layers: list[int] | None = option(None, help="three aux layer ids (id i = the state entering decoder layer i); "
+                                                 "default [2, L//2, L-3].")
+    batch_tokens: int | None = option(None, help="tokens per forward, padding included (default 32768 on CUDA, 8192 "
+                                                 "on CPU).")
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = option(
+        "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).")
+    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun "
+                                           "each rank takes its own GPU.")
+    device_map: str | None = option(None, help="'auto' spreads a verifier larger than one GPU over all of them (one "
+                                               "process only).")
+    shard_tokens: int | None = option(None, help="tokens per shard (default: shards of at most 1 GiB).")
+    speculators_out: str | None = option(None, help="also write the features in speculators' offline layout to this "
+                                                    "directory.")
+    verify: str | None = option(None, help="check the shards of this finished output against its manifest (hashes) "
+                                           "and exit.")
+
+
+def run(c: ExtractConfig) -> dict[str, Any]:
+    """Run `eyas extract` as ``c`` describes (see :class:`ExtractConfig`)."""
+    verifier, data, out, layers, batch_tokens, dtype = c.verifier, c.data, c.out, c.layers, c.batch_tokens, c.dtype
+    device, device_map, shard_tokens, speculators_out = c.device, c.device_map, c.shard_tokens, c.speculators_out
+    verify = c.verify
     if verify is not None:
         summary = features.verify(verify)
         print(f"{verify}: ok, {summary['shards']} shards, {summary['rows']} rows, {summary['tokens']} tokens, "
@@ -209,6 +214,9 @@ def extract(
         return _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,
                         batch_tokens=batch_tokens, dtype=dtype, device=device, device_map=device_map,
                         shard_tokens=shard_tokens, speculators_out=speculators_out)  # fmt: skip
+
+
+extract = stage_function(ExtractConfig, run, "extract")
 
 
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,

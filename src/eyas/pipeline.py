@@ -6,25 +6,27 @@ skips itself (or resumes) when its output already matches, so a rerun resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect as _inspect
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar
 
+from eyas.config import StageConfig, changed, option, stage_function
 from eyas.errors import EyasError
 from eyas.validate import check_arguments
 
-#: The pipeline in order: section name, stage function, and where its inputs and output sit under ``out``.
+#: The pipeline in order: section name and the stage's config (its module's ``run(config)`` runs it).
 PIPELINE: tuple[tuple[str, str], ...] = (
-    ("regenerate", "eyas.regenerate:regenerate"),
-    ("prepare", "eyas.data:prepare"),
-    ("vocab", "eyas.vocab:vocab"),
-    ("extract", "eyas.extract:extract"),
-    ("train", "eyas.train:train"),
-    ("export", "eyas.export:export"),
-    ("eval", "eyas.evaluate:evaluate"),
+    ("regenerate", "eyas.regenerate:RegenerateConfig"),
+    ("prepare", "eyas.data:PrepareConfig"),
+    ("vocab", "eyas.vocab:VocabConfig"),
+    ("extract", "eyas.extract:ExtractConfig"),
+    ("train", "eyas.train:TrainConfig"),
+    ("export", "eyas.export:ExportConfig"),
+    ("eval", "eyas.evaluate:EvalConfig"),
 )
 
 
@@ -45,7 +47,8 @@ def _wiring(stage: str, root: Path, sections: dict[str, dict[str, Any]]) -> dict
     }[stage]
 
 
-def run(config: str) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class RunConfig(StageConfig):
     """Run the pipeline a TOML config describes: every stage it has a section for, in pipeline order.
 
     Top-level keys: ``out`` (the root every stage writes under, default ``runs/<config name>``) and
@@ -53,23 +56,31 @@ def run(config: str) -> dict[str, Any]:
     ``vocab``, ``extract``, ``train``, ``export``, ``eval``) holds that stage's own arguments, by their Python
     names; inputs and outputs are wired under ``out`` (``regenerated/``, ``prepared/``, ``vocab/``,
     ``features/``, ``draft/``, ...) unless the section sets them (with a ``[regenerate]`` section, prepare reads
-    the verifier's answers). Finished stages skip themselves, so rerunning the command resumes.
+    the verifier's answers). Finished stages skip themselves, so rerunning the command resumes."""
 
-    Args:
-        config: a TOML file (see configs/ for examples).
-    """
+    stage: ClassVar[str] = "run"
+
+    config: str = option(positional=True, help="a TOML file (see configs/ for examples).")
+
+
+def run_pipeline(c: RunConfig) -> dict[str, Any]:
+    """Run `eyas run` as ``c`` describes (see :class:`RunConfig`)."""
+    config = c.config
     path, root, plan = check(config)
     results = {}
-    for name, fn, args in plan:
-        print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in args.items()))
-        results[name] = fn(**args)
+    for name, stage, args in plan:
+        print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in changed(args).items()))
+        results[name] = stage(args)
     print(f"\n== {path}: {', '.join(n for n, _, _ in plan)} done under {root}{os.sep}")
     return results
 
 
-def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]]]:
-    """Read and check a config without running anything: ``(path, out root, [(stage, function, arguments)])``
-    in pipeline order. Every section's arguments are checked as the command line's are
+run = stage_function(RunConfig, run_pipeline, "run")
+
+
+def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any], StageConfig]]]:
+    """Read and check a config without running anything: ``(path, out root, [(stage, run, stage config)])``
+    in pipeline order. Every section is made into its stage's config as the command line's flags are
     (:func:`eyas.validate.check_arguments`: names, types, ranges, places), so a bad key or value is an error
     naming it before the first stage runs."""
     path = Path(config)
@@ -95,16 +106,17 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]
     for name, target in PIPELINE:  # check every section before the first stage runs
         if name not in sections:
             continue
-        mod, _, fn_name = target.partition(":")
-        fn = getattr(importlib.import_module(mod), fn_name)
-        params = _inspect.signature(fn).parameters
+        mod, _, cls = target.partition(":")
+        module = importlib.import_module(mod)
+        stage = getattr(module, cls)
+        params = {f.name for f in dataclasses.fields(stage)}
         args: dict[str, Any] = {k: str(v) for k, v in _wiring(name, root, sections).items() if k in params}
         if "verifier" in params and "verifier" in cfg:
             args["verifier"] = cfg["verifier"]
         args.update(sections[name])
-        args = check_arguments(fn, args, stage=name, label=lambda k, s=name: f"[{s}] {k}", where=str(path))
-        plan.append((name, fn, args))
-    outs = [(Path(a["out"]).resolve(), n) for n, _, a in plan if a.get("out")]
+        checked = check_arguments(stage, args, label=lambda k, s=name: f"[{s}] {k}", where=str(path))
+        plan.append((name, module.run, checked))
+    outs = [(Path(c.out).resolve(), n) for n, _, c in plan if getattr(c, "out", None)]
     for i, (out, n) in enumerate(outs):
         other = next((m for o, m in outs[:i] if o == out), None)
         if other:
@@ -112,18 +124,25 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Any, dict[str, Any]]
     return path, root, plan
 
 
-def demo(*, out: str = "runs/demo") -> None:
+@dataclass(kw_only=True, frozen=True)
+class DemoConfig(StageConfig):
     """Run every stage that exists on the real SmolLM2-135M-Instruct at a CPU-sized scale and print what each made.
 
-    Each stage skips itself when its output already matches, so a rerun resumes where it stopped.
+    Each stage skips itself when its output already matches, so a rerun resumes where it stopped."""
 
-    Args:
-        out: the directory every stage writes under.
-    """
+    stage: ClassVar[str] = "demo"
+
+    out: str = option("runs/demo", help="the directory every stage writes under.")
+
+
+def run_demo(c: DemoConfig) -> None:
+    """Run `eyas demo` as ``c`` describes (see :class:`DemoConfig`)."""
     from eyas.data import prepare
     from eyas.locate import DEMO_VERIFIER
     from eyas.verifier_info import inspect
     from eyas.vocab import vocab
+
+    out = c.out
 
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -148,6 +167,9 @@ def demo(*, out: str = "runs/demo") -> None:
                        ("draft-sglang", "the same draft in the EAGLE-3 layout SGLang serves (eyas export)"),
                        ("eval", "report.json + accepted-length histogram (eyas eval)")):  # fmt: skip
         print(f"  {name + '/':<14} {what}")
+
+
+demo = stage_function(DemoConfig, run_demo, "demo")
 
 
 def demo_regenerate(*, out: Path) -> dict:

@@ -18,8 +18,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from eyas.config import StageConfig, option, stage_function
 from eyas.errors import EyasError
 
 #: Figures the estimate uses, each measured on one H200 (torch 2.11, transformers 5.17) and recorded in
@@ -328,33 +329,31 @@ def estimate_cost(mem: dict[str, Any], *, mode: str, tokens: int, epochs: int, g
             "wall_hours": round(verifier_h + train_h, 1), "gpu_hours": hours | {"total": round(sum(hours.values()), 1)}}
 
 
-def plan(
-    verifier: str,
-    *,
-    tokens: int,
-    gpus: int = 8,
-    gpu_memory: float = 141.0,
-    epochs: int = 1,
-    disk: float | None = None,
-    json_out: bool = False,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class PlanConfig(StageConfig):
     """Plan a draft's training for a verifier from its config alone: memory, split over GPUs, features, mode, cost.
 
-    Reads config.json (and the safetensors headers when the weights are there); loads nothing.
+    Reads config.json (and the safetensors headers when the weights are there); loads nothing."""
 
-    Args:
-        verifier: a checkpoint directory (config.json is enough).
-        tokens: training tokens (the prepared rows' tokens).
-        gpus: GPUs on the machine.
-        gpu_memory: memory of each GPU in GB (1e9 bytes; an H200 has 141).
-        epochs: passes over the tokens.
-        disk: disk for features in GB (default: the free space of the current directory).
-        json_out: print one JSON object instead of a table.
-    """
+    stage: ClassVar[str] = "plan"
+
+    verifier: str = option(positional=True, help="a checkpoint directory (config.json is enough).")
+    tokens: int = option(help="training tokens (the prepared rows' tokens).")
+    gpus: int = option(8, help="GPUs on the machine.")
+    gpu_memory: float = option(141.0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
+    epochs: int = option(1, help="passes over the tokens.")
+    disk: float | None = option(None, help="disk for features in GB (default: the free space of the current "
+                                           "directory).")
+    json_out: bool = option(False, help="print one JSON object instead of a table.")
+
+
+def run(c: PlanConfig) -> dict[str, Any]:
+    """Run `eyas plan` as ``c`` describes (see :class:`PlanConfig`)."""
     import json
 
-    if tokens < 1 or gpus < 1 or gpu_memory <= 0 or epochs < 1:
-        raise EyasError("--tokens, --gpus and --epochs must be >= 1 and --gpu-memory > 0")
+    verifier, tokens, gpus, gpu_memory, epochs, disk = c.verifier, c.tokens, c.gpus, c.gpu_memory, c.epochs, c.disk
+    json_out = c.json_out
+
     mem = verifier_memory(verifier)
     usable = USABLE_FRACTION * gpu_memory * 1e9
     items = mem["placement_items"]
@@ -385,6 +384,9 @@ def plan(
     else:
         _print_table(out)
     return out
+
+
+plan = stage_function(PlanConfig, run, "plan")
 
 
 def _print_table(p: dict[str, Any]) -> None:

@@ -31,10 +31,12 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eyas import dist
+from eyas.config import StageConfig, option, stage_function
 from eyas.datasets import CONVERSATIONS
 from eyas.errors import EyasError
 from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
@@ -44,30 +46,8 @@ from eyas.remote import Answer, Server, without_credentials
 __all__ = ["CONVERSATIONS", "regenerate"]
 
 
-def regenerate(
-    *,
-    verifier: str,
-    data: str,
-    out: str,
-    max_new_tokens: int = 1024,
-    max_seq_len: int = 2048,
-    max_samples: int | None = None,
-    max_turns: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
-    batch_tokens: int | None = None,
-    device: str | None = None,
-    device_map: str | None = None,
-    dtype: str = "auto",
-    server: str | None = None,
-    server_model: str | None = None,
-    api_key_env: str = "OPENAI_API_KEY",
-    concurrency: int = 16,
-    server_timeout: float = 600.0,
-    strict: bool = False,
-    trust_remote_code: bool = False,
-    chat_template: str | None = None,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class RegenerateConfig(StageConfig):
     """Answer a dataset's prompts with the verifier itself, turn by turn, and write the conversations for
     `eyas prepare`.
 
@@ -77,44 +57,55 @@ def regenerate(
     OUT already matches, and resumes an interrupted run (kill it at any moment; run the same command again).
     The verifier runs here (one GPU, `--device-map auto` over several, or `torchrun --nproc-per-node N -m
     eyas.cli regenerate ...`, which deals the prompts out to the ranks), or behind an OpenAI-compatible
-    server (`--server`).
+    server (`--server`)."""
 
-    Args:
-        verifier: the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through its own
-            chat template.
-        data: a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), or a named set:
-            sharegpt, mt-bench, humaneval.
-        out: the output directory.
-        max_new_tokens: the most tokens one answer may have; an answer cut there ends its conversation.
-        max_seq_len: the longest conversation in tokens: a turn whose prompt plus --max-new-tokens would pass it
-            is not answered and ends the conversation (train on at most this many tokens: prepare's and train's
-            --max-seq-len).
-        max_samples: answer a seeded random sample of this many prompts.
-        max_turns: answer at most this many user turns of each prompt (default: all).
-        temperature: 0 decodes greedily; above 0 samples (seeded per prompt and turn, so a rerun writes the
-            same answers whatever else shares the batch).
-        seed: the seed of the sample and of the sampling.
-        batch_tokens: the decoding budget in tokens of key/value cache (sequences decoded together = this //
-            --max-seq-len); it fixes the memory whatever the prompts (default: 40% of the free GPU memory; 16k
-            tokens on CPU).
-        device: cpu or cuda (default: cuda when there is one).
-        device_map: 'auto' spreads a verifier too large for one GPU over all of them (transformers' device map).
-        dtype: auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.
-        server: instead of loading the verifier, ask an OpenAI-compatible server that serves it (vLLM, SGLang):
-            its base URL, http://host:port/v1. The verifier's tokenizer and chat template are still read here
-            (prepare needs them); the server must serve that same model.
-        server_model: the model name to ask the server for (default: the first one it lists).
-        api_key_env: the environment variable holding the server's API key, if it needs one (the key is sent
-            only in the request header, never written).
-        concurrency: with --server, the requests in flight at once.
-        server_timeout: the seconds one --server request may take before it is retried (each is retried a few
-            times with backoff, as the openai client does).
-        strict: stop at the first bad record instead of counting and skipping it.
-        trust_remote_code: allow the verifier's own tokenizer code to run.
-        chat_template: render prompts with this template instead of the tokenizer's own (a base model has none):
-            a Jinja file, or a checkpoint (dir, .gguf, hub id) whose template to use; its sha256 is recorded. With
-            --server the server renders them: start it with the same template (vLLM, SGLang: --chat-template).
-    """
+    stage: ClassVar[str] = "regenerate"
+
+    verifier: str = option(help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through "
+                                "its own chat template.")
+    data: str = option(help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), or a named "
+                            "set: sharegpt, mt-bench, humaneval.")
+    out: str = option(help="the output directory.")
+    max_new_tokens: int = option(1024, help="the most tokens one answer may have; an answer cut there ends its "
+                                            "conversation.")
+    max_seq_len: int = option(2048, help="the longest conversation in tokens: a turn whose prompt plus "
+                                         "--max-new-tokens would pass it is not answered and ends the conversation "
+                                         "(train on at most this many tokens: prepare's and train's --max-seq-len).")
+    max_samples: int | None = option(None, help="answer a seeded random sample of this many prompts.")
+    max_turns: int | None = option(None, help="answer at most this many user turns of each prompt (default: all).")
+    temperature: float = option(0.0, help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
+                                          "rerun writes the same answers whatever else shares the batch).")
+    seed: int = option(0, help="the seed of the sample and of the sampling.")
+    batch_tokens: int | None = option(None, help="the decoding budget in tokens of key/value cache (sequences decoded "
+                                                 "together = this // --max-seq-len); it fixes the memory whatever the "
+                                                 "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).")
+    device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
+    device_map: str | None = option(None, help="'auto' spreads a verifier too large for one GPU over all of them "
+                                               "(transformers' device map).")
+    dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+    server: str | None = option(None, help="instead of loading the verifier, ask an OpenAI-compatible server that "
+                                           "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
+                                           "verifier's tokenizer and chat template are still read here (prepare needs "
+                                           "them); the server must serve that same model.")
+    server_model: str | None = option(None, help="the model name to ask the server for (default: the first one it "
+                                                 "lists).")
+    api_key_env: str = option("OPENAI_API_KEY", help="the environment variable holding the server's API key, if it "
+                                                     "needs one (the key is sent only in the request header, never "
+                                                     "written).")
+    concurrency: int = option(16, help="with --server, the requests in flight at once.")
+    server_timeout: float = option(600.0, help="the seconds one --server request may take before it is retried (each "
+                                               "is retried a few times with backoff, as the openai client does).")
+    strict: bool = option(False, help="stop at the first bad record instead of counting and skipping it.")
+    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
+    chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "
+                                                  "(a base model has none): a Jinja file, or a checkpoint (dir, "
+                                                  ".gguf, hub id) whose template to use; its sha256 is recorded. With "
+                                                  "--server the server renders them: start it with the same template "
+                                                  "(vLLM, SGLang: --chat-template).")
+
+
+def run(c: RegenerateConfig) -> dict[str, Any]:
+    """Run `eyas regenerate` as ``c`` describes (see :class:`RegenerateConfig`)."""
     from eyas.chat import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
     from eyas.generate import device_and_dtype
@@ -122,23 +113,20 @@ def regenerate(
     from eyas.verifier import load_tokenizer
     from eyas.verifier_info import fingerprint, resolve
 
+    verifier, data, out, max_new_tokens, max_seq_len = c.verifier, c.data, c.out, c.max_new_tokens, c.max_seq_len
+    max_samples, max_turns, temperature, seed = c.max_samples, c.max_turns, c.temperature, c.seed
+    batch_tokens, device, device_map, dtype, server = c.batch_tokens, c.device, c.device_map, c.dtype, c.server
+    server_model, api_key_env, concurrency = c.server_model, c.api_key_env, c.concurrency
+    server_timeout, strict, trust_remote_code = c.server_timeout, c.strict, c.trust_remote_code
+    chat_template = c.chat_template
+
     check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--max-seq-len", max_seq_len),
-                        ("--concurrency", concurrency)):  # fmt: skip
-        if value < 1:
-            raise EyasError(f"{flag} must be at least 1, got {value}")
     if max_new_tokens >= max_seq_len:
         raise EyasError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in --max-seq-len "
                         f"{max_seq_len}; raise --max-seq-len or lower --max-new-tokens")  # fmt: skip
     if batch_tokens is not None and batch_tokens < max_seq_len:
         raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_seq_len}; give at "
                         f"least {max_seq_len}")  # fmt: skip
-    if max_turns is not None and max_turns < 1:
-        raise EyasError(f"--max-turns must be at least 1, got {max_turns}")
-    if server_timeout <= 0:
-        raise EyasError(f"--server-timeout must be positive (seconds), got {server_timeout}")
-    if temperature < 0:
-        raise EyasError(f"--temperature must be 0 (greedy) or positive, got {temperature}")
     dev, dt = device_and_dtype(device, dtype)
     if device_map is not None and server:
         raise EyasError("--device-map loads the verifier here; with --server nothing is loaded: give one of them")
@@ -235,6 +223,9 @@ def regenerate(
                 return m
 
             return d.run_on_main(finish)
+
+
+regenerate = stage_function(RegenerateConfig, run, "regenerate")
 
 
 #: What the manifest counts (``outputs``), summed over the conversations.

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from eyas.batches import FeatureRows, PreparedRows, load_vocab, row_counts
+from eyas.config import StageConfig, option, stage_function
 from eyas.errors import EyasError
 from eyas.loss import CHUNK_TOKENS, TargetHead
 from eyas.precision import use_working_weights
@@ -38,231 +40,211 @@ from eyas.trainer import CHECKPOINTS, Options, Trainer, compile_draft, save_outp
 STAGE = "train"
 
 
-def train(
-    *,
-    verifier: str,
-    data: str,
-    out: str,
-    vocab: str | None = None,
-    online: bool = False,
-    layers: list[int] | None = None,
-    epochs: int = 10,
-    lr: float = 1e-4,
-    max_seq_len: int = 2048,
-    batch_tokens: int | None = None,
-    grad_accum: int = 1,
-    ttt_steps: int = 3,
-    step_loss_decay: float = 1.0,
-    val_ratio: float = 0.02,
-    num_workers: int = 2,
-    warmup_steps: int | None = None,
-    schedule: Literal["cosine", "linear", "constant"] = "cosine",
-    weight_decay: float = 0.0,
-    clip: float = 0.5,
-    seed: int = 0,
-    save_every: int = 1000,
-    keep_checkpoints: int = 2,
-    log_every: int = 10,
-    optimizer: Literal["adamw", "muon"] = "adamw",
-    freeze_lm_head: bool = False,
-    drop_out_of_vocab: bool = False,
-    full_vocab_accuracy: bool = True,
-    dist: Literal["ddp", "fsdp"] = "ddp",
-    device: str | None = None,
-    device_map: str | None = None,
-    compile: bool | None = None,
-    gradient_checkpointing: bool = False,
-    working_weights: bool | None = None,
-    deferred_wgrad: bool | None = None,
-    loader_embeddings: bool | None = None,
-    norm_before_residual: bool = False,
-    norm_before_fc: bool = False,
-    fc_norm: bool = False,
-    norm_output: bool = False,
-    draft_arch: Literal["llama", "qwen3"] = "llama",
-    num_layers: int = 1,
-    intermediate_size: int | None = None,
-    num_attention_heads: int | None = None,
-    num_key_value_heads: int | None = None,
-    head_dim: int | None = None,
-    verifier_name: str | None = None,
-    max_steps: int | None = None,
-    profile_every: int = 0,
-    loss_chunk_tokens: int = CHUNK_TOKENS,
-) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig(StageConfig):
     """Train an EAGLE-3 draft for a verifier with training-time test; the output dir is a speculators checkpoint.
 
     Offline, --data is an `eyas extract` output; with --online it is an `eyas prepare` output and the verifier
     computes the features per batch. Rerun the same command to resume from the newest checkpoint. Distributed:
-    ``torchrun --nproc-per-node N -m eyas.cli train ...`` (DDP, or --dist fsdp for FSDP2).
+    ``torchrun --nproc-per-node N -m eyas.cli train ...`` (DDP, or --dist fsdp for FSDP2)."""
 
-    Args:
-        verifier: the verifier checkpoint (dir, .gguf, 'smollm2').
-        data: features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.
-        out: output directory: the draft (config.json + model.safetensors), checkpoints/, metrics.jsonl, tensorboard/.
-        vocab: an `eyas vocab` directory (d2t.npy, t2d.npy); default: the whole verifier vocab.
-        online: run the verifier in the loop on prepared rows (nothing written to disk but the draft).
-        layers: three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3].
-        epochs: passes over the training rows.
-        lr: peak learning rate.
-        max_seq_len: tokens per packed sequence; longer rows are truncated (and counted).
-        batch_tokens: tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence).
-        grad_accum: micro-batches per rank and optimizer step.
-        ttt_steps: training-time-test steps (tokens drafted per position); also the draft's speculative_tokens.
-        step_loss_decay: weight of TTT step k is decay**k (1: every step equally).
-        val_ratio: share of rows held out for validation at each epoch's end.
-        num_workers: DataLoader worker processes.
-        warmup_steps: linear warmup steps (default: 3% of all steps).
-        schedule: learning-rate decay after warmup.
-        weight_decay: AdamW weight decay on matrices (norms never decay).
-        clip: gradient-norm clip (0: off).
-        seed: seeds the draft's init, the validation split and each epoch's packing order.
-        save_every: checkpoint every N optimizer steps (and at each epoch's end; 0: only there).
-        keep_checkpoints: how many checkpoints to keep.
-        log_every: log metrics (and sync the device) every N steps.
-        optimizer: adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head).
-        freeze_lm_head: keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE trains it).
-        drop_out_of_vocab: no loss where the verifier's full-vocab argmax is outside the draft vocab (EAGLE's choice;
-            needs --full-vocab-accuracy).
-        full_vocab_accuracy: score accuracy against the verifier's full-vocab argmax (costs one pass over the head);
-            without it accuracy is within the draft vocab and overstates tau.
-        dist: under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).
-        device: cpu, cuda or cuda:N (default: cuda when there is one).
-        device_map: with --online, spread the verifier over the GPUs and host memory as transformers places it
-            ('auto'; a dict in Python) while the draft trains on --device; one process only.
-        compile: torch.compile the draft layer and the loss (default: on CUDA).
-        gradient_checkpointing: recompute each TTT step's layer in backward: far less activation memory (long
-            sequences, big drafts) for about a third more layer compute.
-        working_weights: compute with working copies of the weights cast once per optimizer step, the weight
-            gradients coming out of their matmuls in fp32 (default: on, except under --dist fsdp, which casts
-            its gathered shards itself).
-        deferred_wgrad: with working weights, accumulate each layer weight's gradient over the TTT steps in one
-            fp32 buffer by its matmuls, handing autograd the sum once instead of forming one gradient per step and
-            adding them (2 GiB less peak at Kimi-K2.5 dims; default: on with working weights and without
-            --gradient-checkpointing, whose recomputed layer would use each weight again).
-        loader_embeddings: keep the frozen embedding in host memory and let the data loader look each batch's rows
-            up, instead of holding the table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB at
-            Kimi-K2.5's; default: on for offline training on CUDA with loader workers and without --dist fsdp).
-        norm_before_residual: layout variant: residual = hidden_norm(h) (speculators' default; served by vLLM, by no
-            SGLang release).
-        norm_before_fc: layout variant: one RMSNorm over the three concatenated aux states before fc (gpt-oss
-            drafts; served by vLLM >= 0.19.0 and SGLang >= 0.5.17).
-        fc_norm: layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before fc; excludes
-            --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).
-        norm_output: layout variant (EAGLE-3.1): the next step reads the normed output instead of the pre-norm
-            one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).
-        draft_arch: the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head
-            before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).
-        num_layers: draft decoder layers: the first reads the token embedding and the hidden state, each later one
-            the previous layer's output (served by vLLM >= 0.11.1 and SGLang >= 0.5.12).
-        intermediate_size: draft MLP width (default: the verifier's).
-        num_attention_heads: draft query heads (default: the verifier's; MLA verifiers: as many).
-        num_key_value_heads: draft KV heads (default: the verifier's; MLA verifiers: 8).
-        head_dim: draft head dim (default: the verifier's, or hidden / heads).
-        verifier_name: verifier name_or_path written into config.json for vLLM (default: the --verifier path).
-        max_steps: stop after N optimizer steps (smoke runs and benchmarks).
-        profile_every: every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.
-        loss_chunk_tokens: positions per chunk of the fused loss (its logits buffer is this x the draft vocab);
-            positions no TTT step scores (prompts, packing padding) are skipped in whole chunks of this size.
-    """
+    stage: ClassVar[str] = "train"
+
+    verifier: str = option(aliases=("--verifier-path",), help="the verifier checkpoint (dir, .gguf, 'smollm2').")
+    data: str = option(aliases=("--data-dir",), help="features from `eyas extract` (offline), or prepared rows from "
+                                                     "`eyas prepare` with --online.")
+    out: str = option(aliases=("--output-dir",), help="output directory: the draft (config.json + model.safetensors), "
+                                                      "checkpoints/, metrics.jsonl, tensorboard/.")
+    vocab: str | None = option(
+        None, aliases=("--vocab-mapping-dir",), help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the "
+        "whole verifier vocab.")
+    online: bool = option(False, help="run the verifier in the loop on prepared rows (nothing written to disk but the "
+                                      "draft).")
+    layers: list[int] | None = option(None, help="three aux layer ids (online only; offline they come from the "
+                                                 "features); default [2, L//2, L-3].")
+    epochs: int = option(10, help="passes over the training rows.")
+    lr: float = option(1e-4, help="peak learning rate.")
+    max_seq_len: int = option(2048, help="tokens per packed sequence; longer rows are truncated (and counted).")
+    batch_tokens: int | None = option(None, help="tokens per micro-batch and rank, a multiple of --max-seq-len "
+                                                 "(default: one sequence).")
+    grad_accum: int = option(1, help="micro-batches per rank and optimizer step.")
+    ttt_steps: int = option(3, help="training-time-test steps (tokens drafted per position); also the draft's "
+                                    "speculative_tokens.")
+    step_loss_decay: float = option(1.0, help="weight of TTT step k is decay**k (1: every step equally).")
+    val_ratio: float = option(0.02, help="share of rows held out for validation at each epoch's end.")
+    num_workers: int = option(2, help="DataLoader worker processes.")
+    warmup_steps: int | None = option(None, help="linear warmup steps (default: 3% of all steps).")
+    schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="learning-rate decay after warmup.")
+    weight_decay: float = option(0.0, help="AdamW weight decay on matrices (norms never decay).")
+    clip: float = option(0.5, help="gradient-norm clip (0: off).")
+    seed: int = option(0, help="seeds the draft's init, the validation split and each epoch's packing order.")
+    save_every: int = option(1000, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).")
+    keep_checkpoints: int = option(2, help="how many checkpoints to keep.")
+    log_every: int = option(10, help="log metrics (and sync the device) every N steps.")
+    optimizer: Literal["adamw", "muon"] = option("adamw", help="adamw, or muon (speculators' default: Muon on "
+                                                               "matrices, AdamW on norms and lm_head).")
+    freeze_lm_head: bool = option(False, help="keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE "
+                                              "trains it).")
+    drop_out_of_vocab: bool = option(False, help="no loss where the verifier's full-vocab argmax is outside the draft "
+                                                 "vocab (EAGLE's choice; needs --full-vocab-accuracy).")
+    full_vocab_accuracy: bool = option(True, help="score accuracy against the verifier's full-vocab argmax (costs one "
+                                                  "pass over the head); without it accuracy is within the draft vocab "
+                                                  "and overstates tau.")
+    dist: Literal["ddp", "fsdp"] = option("ddp", help="under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).")
+    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")
+    device_map: str | dict[str, Any] | None = option(
+        None, help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
+        "('auto'; a dict in Python) while the draft trains on --device; one process only.")
+    compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
+    gradient_checkpointing: bool = option(False, help="recompute each TTT step's layer in backward: far less "
+                                                      "activation memory (long sequences, big drafts) for about a "
+                                                      "third more layer compute.")
+    working_weights: bool | None = option(None, help="compute with working copies of the weights cast once per "
+                                                     "optimizer step, the weight gradients coming out of their "
+                                                     "matmuls in fp32 (default: on, except under --dist fsdp, which "
+                                                     "casts its gathered shards itself).")
+    deferred_wgrad: bool | None = option(None, help="with working weights, accumulate each layer weight's gradient "
+                                                    "over the TTT steps in one fp32 buffer by its matmuls, handing "
+                                                    "autograd the sum once instead of forming one gradient per step "
+                                                    "and adding them (2 GiB less peak at Kimi-K2.5 dims; default: on "
+                                                    "with working weights and without --gradient-checkpointing, whose "
+                                                    "recomputed layer would use each weight again).")
+    loader_embeddings: bool | None = option(None, help="keep the frozen embedding in host memory and let the data "
+                                                       "loader look each batch's rows up, instead of holding the "
+                                                       "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
+                                                       "at Kimi-K2.5's; default: on for offline training on CUDA with "
+                                                       "loader workers and without --dist fsdp).")
+    norm_before_residual: bool = option(False, help="layout variant: residual = hidden_norm(h) (speculators' default; "
+                                                    "served by vLLM, by no SGLang release).")
+    norm_before_fc: bool = option(False, help="layout variant: one RMSNorm over the three concatenated aux states "
+                                              "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
+                                              "0.5.17).")
+    fc_norm: bool = option(False, help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
+                                       "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
+    norm_output: bool = option(False, help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
+                                           "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
+    draft_arch: Literal["llama", "qwen3"] = option(
+        "llama", help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
+        "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).")
+    num_layers: int = option(1, help="draft decoder layers: the first reads the token embedding and the hidden state, "
+                                     "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
+                                     ">= 0.5.12).")
+    intermediate_size: int | None = option(None, help="draft MLP width (default: the verifier's).")
+    num_attention_heads: int | None = option(None, help="draft query heads (default: the verifier's; MLA verifiers: "
+                                                        "as many).")
+    num_key_value_heads: int | None = option(None, help="draft KV heads (default: the verifier's; MLA verifiers: 8).")
+    head_dim: int | None = option(None, help="draft head dim (default: the verifier's, or hidden / heads).")
+    verifier_name: str | None = option(None, help="verifier name_or_path written into config.json for vLLM (default: "
+                                                  "the --verifier path).")
+    max_steps: int | None = option(None, help="stop after N optimizer steps (smoke runs and benchmarks).")
+    profile_every: int = option(0, help="every N steps, sync at phase boundaries and log "
+                                        "data/forward/backward/optimizer times.")
+    loss_chunk_tokens: int = option(CHUNK_TOKENS, help="positions per chunk of the fused loss (its logits buffer is "
+                                                       "this x the draft vocab); positions no TTT step scores "
+                                                       "(prompts, packing padding) are skipped in whole chunks of "
+                                                       "this size.")
+
+
+def run(c: TrainConfig) -> dict[str, Any]:
+    """Run `eyas train` as ``c`` describes (see :class:`TrainConfig`); distributed when started under torchrun."""
     from eyas import dist as _dist
 
-    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args = {k: v for k, v in locals().items() if k not in ("_dist", "kind")}
+    kind = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu") as d:
-        return _train(d, **args)
+        return _train(d, c)
 
 
-def _train(d, **a: Any) -> dict[str, Any]:
+train = stage_function(TrainConfig, run, "train")
+
+
+def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.attention import default_attn_implementation
     from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
     from eyas.model import DraftConfig, Eagle3Draft
     from eyas.verifier import build_text_model, load_head_tensors
     from eyas.verifier_info import check_aux_layer_ids, fingerprint, resolve
 
-    out = Path(a["out"])
-    info = resolve(a["verifier"])
-    where = d.device(a["device"])
+    out = Path(c.out)
+    info = resolve(c.verifier)
+    where = d.device(c.device)
     cuda = where.type == "cuda"
     if cuda:
         torch.cuda.set_device(where)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute_dtype = torch.bfloat16 if cuda else torch.float32
     fp = fingerprint(info)
-    ttt_steps, max_len = int(a["ttt_steps"]), int(a["max_seq_len"])
-    if ttt_steps < 1 or max_len < ttt_steps + 2:
+    ttt_steps, max_len = int(c.ttt_steps), int(c.max_seq_len)
+    if max_len < ttt_steps + 2:
         raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {ttt_steps}, {max_len})")
-    batch_tokens = a["batch_tokens"] or max_len
+    batch_tokens = c.batch_tokens or max_len
     if batch_tokens % max_len:
         raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
-    if a["drop_out_of_vocab"] and not a["full_vocab_accuracy"]:
+    if c.drop_out_of_vocab and not c.full_vocab_accuracy:
         raise EyasError("--drop-out-of-vocab needs the verifier's full-vocab argmax (to know which positions fall "
                         "outside the draft vocab), which --no-full-vocab-accuracy skips computing: drop one of them")  # fmt: skip
-    if a["loss_chunk_tokens"] < 1:
-        raise EyasError(f"--loss-chunk-tokens must be >= 1 (got {a['loss_chunk_tokens']}); the default is {CHUNK_TOKENS}")
 
     # ---- inputs, all checked before anything runs
-    if a["device_map"] is not None and (not a["online"] or d.active):
+    if c.device_map is not None and (not c.online or d.active):
         raise EyasError("--device-map spreads the verifier of an --online run over the GPUs of one process; it "
                         "needs --online and no torchrun")  # fmt: skip
-    if a["online"]:
+    if c.online:
         from eyas.datasets import prepared_verifier
 
-        source = PreparedRows(a["data"])
+        source = PreparedRows(c.data)
         if prepared_verifier(source.manifest) != fp:
-            raise EyasError(f"the prepared rows in {a['data']} were tokenized for another verifier "
+            raise EyasError(f"the prepared rows in {c.data} were tokenized for another verifier "
                             f"({source.manifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` "
                             "with this --verifier")  # fmt: skip
-        layer_ids = check_aux_layer_ids(a["layers"] or info.aux_layer_ids, info.num_hidden_layers)
+        layer_ids = check_aux_layer_ids(c.layers or info.aux_layer_ids, info.num_hidden_layers)
     else:
         from eyas.features import read_features_manifest
 
-        fm = read_features_manifest(a["data"])
+        fm = read_features_manifest(c.data)
         if int(fm["hidden_size"]) != info.hidden_size:
-            raise EyasError(f"the features in {a['data']} have hidden size {fm['hidden_size']} but {info.path} has "
+            raise EyasError(f"the features in {c.data} have hidden size {fm['hidden_size']} but {info.path} has "
                             f"{info.hidden_size}")  # fmt: skip
         if fm.get("inputs", {}).get("verifier") != fp:
-            raise EyasError(f"the features in {a['data']} were extracted from another verifier "
+            raise EyasError(f"the features in {c.data} were extracted from another verifier "
                             f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
                             "came from, or run `eyas extract` with this one")  # fmt: skip
         layer_ids = check_aux_layer_ids(fm["layer_ids"], info.num_hidden_layers,  # a damaged or hand-made manifest
-                                        what=f"the layer_ids of {Path(a['data']) / MANIFEST}")  # fmt: skip
-        if a["layers"] is not None and sorted(a["layers"]) != layer_ids:
-            raise EyasError(f"--layers {a['layers']} differs from the layers the features hold ({layer_ids}); "
+                                        what=f"the layer_ids of {Path(c.data) / MANIFEST}")  # fmt: skip
+        if c.layers is not None and sorted(c.layers) != layer_ids:
+            raise EyasError(f"--layers {c.layers} differs from the layers the features hold ({layer_ids}); "
                             "drop --layers or extract those layers")  # fmt: skip
-        source = FeatureRows(a["data"], dtype=compute_dtype)
-    d2t, t2d, vocab_id = load_vocab(a["vocab"], vocab_size=info.vocab_size)
-    overrides = {k: a[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-                 if a[k] is not None}  # fmt: skip
+        source = FeatureRows(c.data, dtype=compute_dtype)
+    d2t, t2d, vocab_id = load_vocab(c.vocab, vocab_size=info.vocab_size)
+    overrides = {k: getattr(c, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim") if getattr(c, k) is not None}  # fmt: skip
     try:
         cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=len(d2t), aux_layer_ids=layer_ids,
-                                        norm_before_residual=a["norm_before_residual"],
-                                        norm_before_fc=a["norm_before_fc"], fc_norm=a["fc_norm"],
-                                        norm_output=a["norm_output"], draft_arch=a["draft_arch"],
-                                        num_hidden_layers=a["num_layers"], **overrides)  # fmt: skip
+                                        norm_before_residual=c.norm_before_residual,
+                                        norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
+                                        norm_output=c.norm_output, draft_arch=c.draft_arch,
+                                        num_hidden_layers=c.num_layers, **overrides)  # fmt: skip
     except (ValueError, KeyError) as e:
         raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
-    if a["dist"] == "fsdp" and a["optimizer"] == "muon" and d.active:
+    if c.dist == "fsdp" and c.optimizer == "muon" and d.active:
         raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
 
     flat, offsets = source.masks()
     lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)
     truncated = int((np.diff(offsets) > max_len).sum())
-    perm = np.random.default_rng(a["seed"]).permutation(len(lengths))
-    n_val = int(round(len(lengths) * a["val_ratio"])) if a["val_ratio"] > 0 else 0
-    n_val = min(max(n_val, 1 if a["val_ratio"] > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
+    perm = np.random.default_rng(c.seed).permutation(len(lengths))
+    n_val = int(round(len(lengths) * c.val_ratio)) if c.val_ratio > 0 else 0
+    n_val = min(max(n_val, 1 if c.val_ratio > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
     rows_val = np.sort(perm[:n_val])
     rows_train = np.sort(perm[n_val:])
     empty = int((counts[rows_train, 0] == 0).sum())
     rows_train = rows_train[counts[rows_train, 0] > 0]  # no scored position: nothing to learn from
     if not len(rows_train):
-        raise EyasError(f"{a['data']} has no training row with a loss-masked token past position 1")
+        raise EyasError(f"{c.data} has no training row with a loss-masked token past position 1")
 
     keys = ("online", "epochs", "lr", "max_seq_len", "grad_accum", "ttt_steps", "step_loss_decay", "val_ratio",
             "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
             "drop_out_of_vocab", "full_vocab_accuracy", "max_steps")  # fmt: skip
-    settings = {k: a[k] for k in keys}
-    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=a["dist"] if d.active else None,
+    settings = {k: getattr(c, k) for k in keys}
+    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
                     draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
     inputs = {"verifier": fp, "data": source.identity(), "vocab": vocab_id,
               # the template the rows were rendered with, for `eyas eval` to compare (offline: through extract)
@@ -290,19 +272,19 @@ def _train(d, **a: Any) -> dict[str, Any]:
         d.barrier("output directory")
 
         # ---- the draft, its targets, the verifier (online)
-        torch.manual_seed(a["seed"])
+        torch.manual_seed(c.seed)
         draft = Eagle3Draft(cfg, attn_implementation=default_attn_implementation(where))
         heads = load_head_tensors(info)
         target_ids = torch.arange(len(d2t)) + d2t
         draft.init_from_verifier(embed=heads.embed, lm_head_rows=heads.lm_head[target_ids])
         draft.set_vocab(d2t=d2t, t2d=t2d)
-        draft.lm_head.weight.requires_grad_(not a["freeze_lm_head"])
-        draft.gradient_checkpointing = a["gradient_checkpointing"]
-        fsdp = d.active and a["dist"] == "fsdp"
+        draft.lm_head.weight.requires_grad_(not c.freeze_lm_head)
+        draft.gradient_checkpointing = c.gradient_checkpointing
+        fsdp = d.active and c.dist == "fsdp"
         # by default only with loader workers: the main process, which launches the GPU's work, gathers nothing
-        on_host = a["loader_embeddings"] if a["loader_embeddings"] is not None else \
-            cuda and not a["online"] and not fsdp and a["num_workers"] > 0  # fmt: skip
-        if on_host and (a["online"] or fsdp):
+        on_host = c.loader_embeddings if c.loader_embeddings is not None else \
+            cuda and not c.online and not fsdp and c.num_workers > 0  # fmt: skip
+        if on_host and (c.online or fsdp):
             raise EyasError("--loader-embeddings needs offline features and no --dist fsdp (online, the verifier's "
                             "own embedding runs on the device anyway); drop the flag")  # fmt: skip
         if on_host:  # every module but the frozen embedding goes to the device; the loader looks rows up
@@ -314,38 +296,38 @@ def _train(d, **a: Any) -> dict[str, Any]:
         else:
             draft.to(where)
         draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
-        if a["freeze_lm_head"] and not fsdp:  # (an FSDP2 unit wants one dtype)
+        if c.freeze_lm_head and not fsdp:  # (an FSDP2 unit wants one dtype)
             draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
         rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
-        use_rest = a["full_vocab_accuracy"] and len(rest_ids) > 0
+        use_rest = c.full_vocab_accuracy and len(rest_ids) > 0
         accuracy = accuracy_measure(use_rest or len(rest_ids) == 0)
         head_w = draft.lm_head.weight
         # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
-        rows = head_w.detach() if a["freeze_lm_head"] and head_w.dtype == compute_dtype else \
+        rows = head_w.detach() if c.freeze_lm_head and head_w.dtype == compute_dtype else \
             heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
         head = TargetHead.for_verifier(info, rows=rows, draft_target_ids=target_ids.to(where),
                                        rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
                                        rest_ids=rest_ids.to(where) if use_rest else None, dtype=compute_dtype,
                                        device=where)  # fmt: skip
         del heads
-        working = a["working_weights"] if a["working_weights"] is not None else not fsdp
+        working = c.working_weights if c.working_weights is not None else not fsdp
         if working and fsdp:
             raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
                             "itself); drop the flag")  # fmt: skip
-        deferred = a["deferred_wgrad"] if a["deferred_wgrad"] is not None else \
-            working and not a["gradient_checkpointing"]  # fmt: skip
-        if deferred and (not working or a["gradient_checkpointing"]):
+        deferred = c.deferred_wgrad if c.deferred_wgrad is not None else \
+            working and not c.gradient_checkpointing  # fmt: skip
+        if deferred and (not working or c.gradient_checkpointing):
             raise EyasError("--deferred-wgrad needs working weights and no --gradient-checkpointing (a recomputed "
                             "layer would use each weight again); drop one of them")  # fmt: skip
         if working:
             # lm_head: the fused loss casts it once per micro-batch; fc runs once per forward, so a copy kept
             # between steps would only hold memory (0.3 GiB at Kimi-K2.5 dims)
             use_working_weights(draft, compute_dtype, skip=(draft.lm_head,), cast_per_call=(draft.fc,))
-        compiled = a["compile"] if a["compile"] is not None else cuda
+        compiled = c.compile if c.compile is not None else cuda
         if compiled:
             compile_draft(draft)
-        verifier_model = build_text_model(info, dtype=compute_dtype, device=None if a["device_map"] else where,
-                                          device_map=a["device_map"]) if a["online"] else None  # fmt: skip
+        verifier_model = build_text_model(info, dtype=compute_dtype, device=None if c.device_map else where,
+                                          device_map=c.device_map) if c.online else None  # fmt: skip
         archs = [] if info.gguf_file else \
             read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
         if not archs:  # a GGUF file has no config.json: name transformers' class for its model type
@@ -353,28 +335,28 @@ def _train(d, **a: Any) -> dict[str, Any]:
 
             archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
                 if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
-        save_meta = {"verifier_name": a["verifier_name"] or info.path, "architectures": archs,
+        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs,
                      "ttt_steps": ttt_steps}
-        o = Options(epochs=a["epochs"], lr=a["lr"], max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
-                    grad_accum=a["grad_accum"], ttt_steps=ttt_steps,
-                    step_weights=[a["step_loss_decay"] ** k for k in range(ttt_steps)], warmup_steps=a["warmup_steps"],
-                    schedule=a["schedule"], weight_decay=a["weight_decay"], clip=a["clip"], seed=a["seed"],
-                    optimizer=a["optimizer"], drop_out_of_vocab=a["drop_out_of_vocab"], num_workers=a["num_workers"],
-                    save_every=a["save_every"], keep_checkpoints=a["keep_checkpoints"], log_every=a["log_every"],
-                    max_steps=a["max_steps"], profile_every=a["profile_every"],
-                    deferred_wgrad=deferred, loss_chunk_tokens=a["loss_chunk_tokens"])  # fmt: skip
+        o = Options(epochs=c.epochs, lr=c.lr, max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
+                    grad_accum=c.grad_accum, ttt_steps=ttt_steps,
+                    step_weights=[c.step_loss_decay ** k for k in range(ttt_steps)], warmup_steps=c.warmup_steps,
+                    schedule=c.schedule, weight_decay=c.weight_decay, clip=c.clip, seed=c.seed,
+                    optimizer=c.optimizer, drop_out_of_vocab=c.drop_out_of_vocab, num_workers=c.num_workers,
+                    save_every=c.save_every, keep_checkpoints=c.keep_checkpoints, log_every=c.log_every,
+                    max_steps=c.max_steps, profile_every=c.profile_every,
+                    deferred_wgrad=deferred, loss_chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
         trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
                           verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
-                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=a["dist"], compiled=compiled,
+                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=c.dist, compiled=compiled,
                           fingerprint=run_id, save_meta=save_meta,
                           loader_embed=draft.embed_tokens.weight.detach() if on_host else None)  # fmt: skip
         if d.is_main:
             trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
             print(f"eyas train: {len(rows_train)} rows ({int(lengths[rows_train].sum()):,} tokens) for training, "
-                  f"{len(rows_val)} for validation; {trainer.total} steps over {a['epochs']} epoch(s), "
-                  f"{d.world_size} rank(s) x {a['grad_accum']} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
+                  f"{len(rows_val)} for validation; {trainer.total} steps over {c.epochs} epoch(s), "
+                  f"{d.world_size} rank(s) x {c.grad_accum} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
                   f"trainable parameters, vocab {len(d2t)}/{info.vocab_size}, layers {layer_ids}, "
-                  f"{'online' if a['online'] else 'offline'}, {where}"
+                  f"{'online' if c.online else 'offline'}, {where}"
                   + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
                   + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
         result = trainer.run()
@@ -389,9 +371,9 @@ def _train(d, **a: Any) -> dict[str, Any]:
             summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,
                            skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
             write_manifest(out, stage=STAGE, inputs=inputs, settings=settings, outputs=summary,
-                           verifier_path=info.path, data_path=str(a["data"]))  # fmt: skip
+                           verifier_path=info.path, data_path=str(c.data))  # fmt: skip
             if result["train"]:
-                print_summary(result["train"], label=f"training (last {a['log_every']} steps)", accuracy=accuracy)
+                print_summary(result["train"], label=f"training (last {c.log_every} steps)", accuracy=accuracy)
             if result["val"]:
                 print_summary(result["val"], label="validation", accuracy=accuracy)
             print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "

@@ -1,16 +1,17 @@
-"""One check of a stage's arguments at the boundary, before any stage runs: the command line (:mod:`eyas.cli`)
-and an ``eyas run`` config (:mod:`eyas.pipeline`) both pass through :func:`check_arguments`.
+"""One check of a stage's arguments, from its config's fields (:mod:`eyas.config`).
 
-It checks, from the stage function's own signature: unknown and missing names, each value's type against the
-parameter's annotation (a config's ``epochs = "1"`` is refused, not passed on to fail later), each number
-against :data:`RANGES` (one table, by argument name: a name means the same in every stage), and the places an
-argument names (an output folder that is a file or cannot be written, a CUDA device torch does not see). The
-stage functions hold no such checks of their own; typed stage configs can take this module over whole.
+Every value is checked against its field's type (a config's ``epochs = "1"`` is refused, not passed on to fail
+later) and every number against :data:`RANGES` (one table, by argument name: a name means the same in every
+stage) whenever a stage config is made (:func:`check_values`, so the Python API is checked too). At the
+boundary, before any stage runs, the command line (:mod:`eyas.cli`) and an ``eyas run`` config
+(:mod:`eyas.pipeline`) also pass through :func:`check_arguments`: unknown and missing names, and the places an
+argument names (an output folder that is a file or cannot be written, a CUDA device torch does not see), each
+error naming the flag or key as the user wrote it.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import os
 import types
 import typing
@@ -49,6 +50,8 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
 RANGES: dict[str, Range] = {
     "epochs": AT_LEAST_1, "max_steps": AT_LEAST_1, "max_new_tokens": AT_LEAST_1, "max_samples": AT_LEAST_1,
     "max_turns": AT_LEAST_1, "num_prompts": AT_LEAST_1, "offline_rows": AT_LEAST_1, "draft_tokens": AT_LEAST_1,
+    "tokens": AT_LEAST_1, "gpus": AT_LEAST_1, "gpu_memory": ABOVE_0, "disk": AT_LEAST_0,
+    "concurrency": AT_LEAST_1, "server_timeout": ABOVE_0,
     "ttt_steps": AT_LEAST_1, "speculative_tokens": AT_LEAST_1,
     "max_seq_len": Range(2), "batch_tokens": AT_LEAST_1, "batch_size": AT_LEAST_1, "shard_tokens": AT_LEAST_1,
     "draft_vocab_size": AT_LEAST_1, "loss_chunk_tokens": AT_LEAST_1, "grad_accum": AT_LEAST_1,
@@ -76,32 +79,44 @@ def unwrap_optional(tp: Any) -> Any:
     return tp
 
 
-def check_arguments(fn: Callable, args: dict[str, Any], *, stage: str,
-                    label: Callable[[str], str] = lambda n: "--" + n.replace("_", "-"),
-                    where: str = "") -> dict[str, Any]:  # fmt: skip
-    """``args`` for ``fn`` checked and normalised (an int where a float belongs becomes a float), or an
-    :class:`EyasError` naming the first bad one as ``label(name)`` (``--epochs``, ``[train] epochs``), after
-    ``where`` (the config file) when given. ``stage`` is the command's name."""
+def flag(name: str) -> str:
+    """The command-line flag of an argument: ``ttt_steps`` -> ``--ttt-steps``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str], str] = flag, where: str = "") -> Any:
+    """``args`` made into a ``config`` (a stage config class, :mod:`eyas.config`), checked and normalised (an int
+    where a float belongs becomes a float), or an :class:`EyasError` naming the first bad one as ``label(name)``
+    (``--epochs``, ``[train] epochs``), after ``where`` (the config file) when given."""
     at = f"{where}: " if where else ""
-    params = inspect.signature(fn).parameters
-    hints = typing.get_type_hints(fn)
-    unknown = [k for k in args if k not in params]
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    unknown = [k for k in args if k not in fields]
     if unknown:
-        raise EyasError(f"{at}{label(unknown[0])} is not an argument of `eyas {stage}`; it takes "
-                        f"{', '.join(sorted(params))}")  # fmt: skip
-    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
+        raise EyasError(f"{at}{label(unknown[0])} is not an argument of `eyas {config.stage}`; it takes "
+                        f"{', '.join(sorted(fields))}")  # fmt: skip
+    missing = [k for k, f in fields.items()
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and k not in args]
     if missing:
-        raise EyasError(f"{at}`eyas {stage}` needs a value for {label(missing[0])}")
-    out = {}
-    for name, value in args.items():
-        value = _typed(value, hints.get(name, Any), f"{at}{label(name)}")
-        if name in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value not in RANGES[name]:
-                raise EyasError(f"{at}{label(name)} must be {RANGES[name]}, got {value!r}")
+        raise EyasError(f"{at}`eyas {config.stage}` needs a value for {label(missing[0])}")
+    values = check_values(config, args, label=lambda n: f"{at}{label(n)}")
+    for name, value in values.items():
         if name in OUTPUTS and value is not None:
-            _check_writable(Path(value), f"{at}{label(name)}", report_file=stage == "eval" and name == "out")
+            _check_writable(Path(value), f"{at}{label(name)}", report_file=config.stage == "eval" and name == "out")
         if name == "device" and value is not None:
             _check_device(str(value), f"{at}{label(name)}")
+    return config(**values)
+
+
+def check_values(config: type, values: dict[str, Any], *, label: Callable[[str], str] = flag) -> dict[str, Any]:
+    """``values`` of ``config``'s fields checked against each field's type and :data:`RANGES`, normalised; an
+    :class:`EyasError` names the first bad one as ``label(name)``."""
+    hints = typing.get_type_hints(config)
+    out = {}
+    for name, value in values.items():
+        value = _typed(value, hints.get(name, Any), label(name))
+        if name in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value not in RANGES[name]:
+                raise EyasError(f"{label(name)} must be {RANGES[name]}, got {value!r}")
         out[name] = value
     return out
 
@@ -113,13 +128,25 @@ def _describe(v: Any) -> str:
 
 def _typed(value: Any, annotation: Any, what: str) -> Any:
     """``value`` checked against ``annotation``: bool, int, float (an int is taken), str (or a path), a
-    ``Literal``'s choices, ``list[...]`` of those, each possibly optional."""
+    ``Literal``'s choices, a dict, ``list[...]`` of those, each possibly optional, or a union of them."""
     if value is None:
         if annotation is Any or type(None) in typing.get_args(annotation):
             return None
         raise EyasError(f"{what} needs a value")
     tp = unwrap_optional(annotation)
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # (X | Y: the first that takes the value; else X's error)
+        refusals = []
+        for member in (a for a in typing.get_args(tp) if a is not type(None)):
+            try:
+                return _typed(value, member, what)
+            except EyasError as e:
+                refusals.append(e)
+        raise refusals[0]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise EyasError(f"{what} must be a table (a dict), got {_describe(value)}")
+        return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):

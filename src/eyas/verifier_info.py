@@ -18,8 +18,9 @@ import re
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
+from eyas.config import StageConfig, option, stage_function
 from eyas.errors import EyasError
 from eyas.locate import (TensorRef, config_for, known_causal_lm, locate_checkpoint, read_config, text_model_type,
                          weight_refs)  # fmt: skip
@@ -401,15 +402,22 @@ def fingerprint(info: VerifierInfo) -> dict[str, Any]:
 # --------------------------------------------------------------------------- eyas inspect
 
 
-def inspect(path: str, *, json_out: bool = False) -> dict[str, Any]:
+@dataclass(kw_only=True, frozen=True)
+class InspectConfig(StageConfig):
     """Describe a verifier: its text model, where the embedding, head and final norm live, and whether eyas can run it.
 
-    Reads ``config.json`` and safetensors headers only (or GGUF metadata); never imports checkpoint code.
+    Reads ``config.json`` and safetensors headers only (or GGUF metadata); never imports checkpoint code."""
 
-    Args:
-        path: a checkpoint directory, a .gguf file, 'smollm2' (the demo verifier) or a hub id.
-        json_out: print one JSON object instead of a table.
-    """
+    stage: ClassVar[str] = "inspect"
+
+    path: str = option(positional=True, help="a checkpoint directory, a .gguf file, 'smollm2' (the demo verifier) or "
+                                             "a hub id.")
+    json_out: bool = option(False, help="print one JSON object instead of a table.")
+
+
+def run(c: InspectConfig) -> dict[str, Any]:
+    """Run `eyas inspect` as ``c`` describes (see :class:`InspectConfig`)."""
+    path, json_out = c.path, c.json_out
     info = resolve(path)
     summary = info.summary()
     if json_out:
@@ -438,3 +446,6 @@ def inspect(path: str, *, json_out: bool = False) -> dict[str, Any]:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return summary
+
+
+inspect = stage_function(InspectConfig, run, "inspect")

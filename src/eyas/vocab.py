@@ -21,11 +21,13 @@ Files, in speculators' layout (its ``train.py`` reads them with
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from eyas.config import StageConfig, option, stage_function
 from eyas.datasets import load_prepared
 from eyas.errors import EyasError
 from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json, write_manifest
@@ -83,21 +85,23 @@ def mapping(selected: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarr
     return d2t, t2d
 
 
-def vocab(
-    *,
-    data: str,
-    out: str,
-    draft_vocab_size: int | None = None,
-    count: Literal["masked", "all"] = "masked",
-) -> dict[str, Any]:
-    """Choose the draft vocabulary from prepared rows and write d2t.npy / t2d.npy in speculators' layout.
+@dataclass(kw_only=True, frozen=True)
+class VocabConfig(StageConfig):
+    """Choose the draft vocabulary from prepared rows and write d2t.npy / t2d.npy in speculators' layout."""
 
-    Args:
-        data: an `eyas prepare` output directory.
-        out: the output directory.
-        draft_vocab_size: tokens in the draft vocab (default: 32000, or the verifier vocab when smaller).
-        count: count tokens at loss-masked positions only (masked), or at every position (all).
-    """
+    stage: ClassVar[str] = "vocab"
+
+    data: str = option(help="an `eyas prepare` output directory.")
+    out: str = option(help="the output directory.")
+    draft_vocab_size: int | None = option(None, help="tokens in the draft vocab (default: 32000, or the verifier "
+                                                     "vocab when smaller).")
+    count: Literal["masked", "all"] = option("masked", help="count tokens at loss-masked positions only (masked), or "
+                                                            "at every position (all).")
+
+
+def run(c: VocabConfig) -> dict[str, Any]:
+    """Run `eyas vocab` as ``c`` describes (see :class:`VocabConfig`)."""
+    data, out, draft_vocab_size, count = c.data, c.out, c.draft_vocab_size, c.count
     ds, prepared = load_prepared(data)
     V = int(prepared.get("vocab_size") or 0)
     if V <= 0:
@@ -147,6 +151,9 @@ def vocab(
         + (f"; {outputs['padded']:,} unused ids fill the vocab" if outputs["padded"] else "")
     )
     return manifest
+
+
+vocab = stage_function(VocabConfig, run, "vocab")
 
 
 def _coverage(masked: np.ndarray, every: np.ndarray, t2d: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
