@@ -144,3 +144,24 @@ def test_a_good_section_is_its_stage_config(tmp_path):
     assert (name, stage) == ("train", run) and isinstance(config, TrainConfig)
     assert (config.epochs, config.layers, config.data, config.verifier) == (2, [1, 2, 3], str(root / "features"),
                                                                               "smollm2")  # fmt: skip
+
+
+@pytest.mark.parametrize("stage, section, message", [
+    ("train", "max_seq_len = 4\nttt_steps = 3", "--max-seq-len >= ttt_steps + 2"),
+    ("train", "max_seq_len = 64\nbatch_tokens = 100", "--batch-tokens 100 must be a multiple of --max-seq-len 64"),
+    ("train", "drop_out_of_vocab = true\nfull_vocab_accuracy = false", "--drop-out-of-vocab needs"),
+    ("train", "layers = [2, 2, 5]", "--layers must list three distinct layer ids"),
+    ("extract", "layers = [1, 2]", "--layers must list three distinct layer ids"),
+    ("extract", 'device = "cpu"\ndevice_map = "auto"', "give either --device or --device-map"),
+    ("regenerate", 'data = "mt-bench"\nmax_new_tokens = 64\nmax_seq_len = 64', "leaves no room for a prompt"),
+    ("regenerate", 'data = "mt-bench"\nserver = "http://h/v1"\ndevice_map = "auto"', "--device-map loads"),
+])  # fmt: skip
+def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, stage, section, message):
+    """A config's rules between its fields hold wherever it is made: in a section they stop `eyas run` before
+    the first stage, naming the file and the section."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "smollm2"\n[{stage}]\n{section}\n')
+    with pytest.raises(EyasError) as e:
+        check(str(cfg))
+    assert str(e.value).startswith(f"{cfg}: [{stage}] ") and message in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -30,8 +30,9 @@ def option(default: Any = MISSING, *, help: str, positional: bool = False,
 @dataclass(kw_only=True, frozen=True)
 class StageConfig:
     """The base of every stage config: constructing one checks and normalises each value against its field's
-    type and range (:func:`eyas.validate.check_values`); the error names the field as its flag (``--epochs``),
-    as the stages' own errors do, wherever the value came from."""
+    type and range (:func:`eyas.validate.check_values`), then the rules between fields (:meth:`check`); the
+    error names the field as its flag (``--epochs``), as the stages' own errors do, wherever the value came
+    from, so ``eyas run`` refuses a bad section before its first stage runs."""
 
     #: the stage's command name (``eyas train``), for error messages
     stage: ClassVar[str] = ""
@@ -41,6 +42,11 @@ class StageConfig:
 
         for name, value in check_values(type(self), vars(self)).items():
             object.__setattr__(self, name, value)  # (frozen: normalised once, here)
+        self.check()
+
+    def check(self) -> None:
+        """The rules between fields (each value alone is checked by its type and range): a stage config with
+        such rules overrides this and raises an :class:`eyas.errors.EyasError` naming the flags."""
 
 
 def default_of(f: dataclasses.Field) -> Any:

@@ -189,6 +189,19 @@ class ExtractConfig(StageConfig):
     verify: str | None = option(None, help="check the shards of this finished output against its manifest (hashes) "
                                            "and exit.")
 
+    def check(self) -> None:
+        from eyas.verifier_info import check_aux_layer_ids
+
+        if self.verify is None:
+            missing = [f"--{n}" for n, v in (("verifier", self.verifier), ("data", self.data), ("out", self.out))
+                       if v is None]  # fmt: skip
+            if missing:
+                raise EyasError(f"eyas extract needs {', '.join(missing)} (or --verify DIR)")
+        if self.device_map is not None and self.device is not None:
+            raise EyasError("give either --device or --device-map, not both")
+        if self.layers is not None:  # (the verifier's layer count is checked when it is read)
+            check_aux_layer_ids(self.layers)
+
 
 def run(c: ExtractConfig) -> dict[str, Any]:
     """Run `eyas extract` as ``c`` describes (see :class:`ExtractConfig`)."""
@@ -200,15 +213,10 @@ def run(c: ExtractConfig) -> dict[str, Any]:
         print(f"{verify}: ok, {summary['shards']} shards, {summary['rows']} rows, {summary['tokens']} tokens, "
               f"every sha256 matches the manifest")  # fmt: skip
         return summary
-    missing = [f"--{n}" for n, v in (("verifier", verifier), ("data", data), ("out", out)) if v is None]
-    if missing:
-        raise EyasError(f"eyas extract needs {', '.join(missing)} (or --verify DIR)")
     if speculators_out is not None:  # before any work: the layout is written last, over what is there
         features.check_speculators_out(speculators_out, features=out)
     from eyas import dist as _dist
 
-    if device_map is not None and device is not None:
-        raise EyasError("give either --device or --device-map, not both")
     kind = "cuda" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
     with _dist.init(device_type=kind) as d:
         return _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,

@@ -103,6 +103,16 @@ class RegenerateConfig(StageConfig):
                                                   "--server the server renders them: start it with the same template "
                                                   "(vLLM, SGLang: --chat-template).")
 
+    def check(self) -> None:
+        if self.max_new_tokens >= self.max_seq_len:
+            raise EyasError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a prompt in --max-seq-len "
+                            f"{self.max_seq_len}; raise --max-seq-len or lower --max-new-tokens")  # fmt: skip
+        if self.batch_tokens is not None and self.batch_tokens < self.max_seq_len:
+            raise EyasError(f"--batch-tokens {self.batch_tokens} holds no sequence of --max-seq-len "
+                            f"{self.max_seq_len}; give at least {self.max_seq_len}")  # fmt: skip
+        if self.device_map is not None and self.server:
+            raise EyasError("--device-map loads the verifier here; with --server nothing is loaded: give one of them")
+
 
 def run(c: RegenerateConfig) -> dict[str, Any]:
     """Run `eyas regenerate` as ``c`` describes (see :class:`RegenerateConfig`)."""
@@ -121,15 +131,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     chat_template = c.chat_template
 
     check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
-    if max_new_tokens >= max_seq_len:
-        raise EyasError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in --max-seq-len "
-                        f"{max_seq_len}; raise --max-seq-len or lower --max-new-tokens")  # fmt: skip
-    if batch_tokens is not None and batch_tokens < max_seq_len:
-        raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_seq_len}; give at "
-                        f"least {max_seq_len}")  # fmt: skip
     dev, dt = device_and_dtype(device, dtype)
-    if device_map is not None and server:
-        raise EyasError("--device-map loads the verifier here; with --server nothing is loaded: give one of them")
 
     info = resolve(verifier)
     files, _, _ = open_source(data)

@@ -144,6 +144,22 @@ class TrainConfig(StageConfig):
                                                        "(prompts, packing padding) are skipped in whole chunks of "
                                                        "this size.")
 
+    def check(self) -> None:
+        from eyas.verifier_info import check_aux_layer_ids
+
+        if self.max_seq_len < self.ttt_steps + 2:
+            raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {self.ttt_steps}, "
+                            f"{self.max_seq_len})")  # fmt: skip
+        if self.batch_tokens is not None and self.batch_tokens % self.max_seq_len:
+            raise EyasError(f"--batch-tokens {self.batch_tokens} must be a multiple of --max-seq-len "
+                            f"{self.max_seq_len}")  # fmt: skip
+        if self.drop_out_of_vocab and not self.full_vocab_accuracy:
+            raise EyasError("--drop-out-of-vocab needs the verifier's full-vocab argmax (to know which positions "
+                            "fall outside the draft vocab), which --no-full-vocab-accuracy skips computing: drop one "
+                            "of them")  # fmt: skip
+        if self.layers is not None:  # (the verifier's layer count is checked when it is read)
+            check_aux_layer_ids(self.layers)
+
 
 def run(c: TrainConfig) -> dict[str, Any]:
     """Run `eyas train` as ``c`` describes (see :class:`TrainConfig`); distributed when started under torchrun."""
@@ -173,15 +189,8 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute_dtype = torch.bfloat16 if cuda else torch.float32
     fp = fingerprint(info)
-    ttt_steps, max_len = int(c.ttt_steps), int(c.max_seq_len)
-    if max_len < ttt_steps + 2:
-        raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {ttt_steps}, {max_len})")
+    ttt_steps, max_len = c.ttt_steps, c.max_seq_len
     batch_tokens = c.batch_tokens or max_len
-    if batch_tokens % max_len:
-        raise EyasError(f"--batch-tokens {batch_tokens} must be a multiple of --max-seq-len {max_len}")
-    if c.drop_out_of_vocab and not c.full_vocab_accuracy:
-        raise EyasError("--drop-out-of-vocab needs the verifier's full-vocab argmax (to know which positions fall "
-                        "outside the draft vocab), which --no-full-vocab-accuracy skips computing: drop one of them")  # fmt: skip
 
     # ---- inputs, all checked before anything runs
     if c.device_map is not None and (not c.online or d.active):

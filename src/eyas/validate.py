@@ -104,7 +104,10 @@ def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str]
             _check_writable(Path(value), f"{at}{label(name)}", report_file=config.stage == "eval" and name == "out")
         if name == "device" and value is not None:
             _check_device(str(value), f"{at}{label(name)}")
-    return config(**values)
+    try:
+        return config(**values)  # and the rules between its fields (StageConfig.check), which name flags
+    except EyasError as e:
+        raise EyasError(f"{at}[{config.stage}] {e}" if where else str(e)) from None
 
 
 def check_values(config: type, values: dict[str, Any], *, label: Callable[[str], str] = flag) -> dict[str, Any]:
