@@ -1,4 +1,4 @@
-"""The CLI is built from the stage functions' signatures; errors are one clear line."""
+"""The CLI is built from the stage configs' fields; errors are one clear line."""
 
 from __future__ import annotations
 
