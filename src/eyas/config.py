@@ -14,6 +14,8 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, ClassVar
 
+from eyas.validate import check_values
+
 
 def option(default: Any = MISSING, *, help: str, positional: bool = False,
            aliases: tuple[str, ...] | None = None) -> Any:  # fmt: skip
@@ -38,8 +40,6 @@ class StageConfig:
     stage: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        from eyas.validate import check_values
-
         for name, value in check_values(type(self), vars(self)).items():
             object.__setattr__(self, name, value)  # (frozen: normalised once, here)
         self.check()

@@ -181,8 +181,9 @@ class ExtractConfig(StageConfig):
         "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).")
     device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun "
                                            "each rank takes its own GPU.")
-    device_map: str | None = option(None, help="'auto' spreads a verifier larger than one GPU over all of them (one "
-                                               "process only).")
+    device_map: str | dict[str, Any] | None = option(
+        None, help="'auto' spreads a verifier larger than one GPU over all of them (one process only; a dict in "
+        "Python places each module itself).")
     shard_tokens: int | None = option(None, help="tokens per shard (default: shards of at most 1 GiB).")
     speculators_out: str | None = option(None, help="also write the features in speculators' offline layout to this "
                                                     "directory.")

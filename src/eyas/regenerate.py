@@ -80,8 +80,9 @@ class RegenerateConfig(StageConfig):
                                                  "together = this // --max-seq-len); it fixes the memory whatever the "
                                                  "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).")
     device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
-    device_map: str | None = option(None, help="'auto' spreads a verifier too large for one GPU over all of them "
-                                               "(transformers' device map).")
+    device_map: str | dict[str, Any] | None = option(
+        None, help="'auto' spreads a verifier too large for one GPU over all of them (transformers' device map; a "
+        "dict in Python places each module itself).")
     dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
     server: str | None = option(None, help="instead of loading the verifier, ask an OpenAI-compatible server that "
                                            "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
