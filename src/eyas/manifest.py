@@ -4,7 +4,10 @@ A stage writes its outputs through :func:`atomic_path` (write to a temporary
 name in the same directory, fsync, rename), so a crash never leaves a
 half-written file under its final name. Its ``manifest.json`` says what was
 made, from what inputs, with which settings and versions; a stage whose
-manifest already matches its inputs is skipped.
+manifest already matches its inputs is skipped. Every stage that writes a
+folder (all but eval, whose report is one file) goes through
+:class:`StageOutput`: the refusal of another stage's folder, the lock, the
+skip and the manifest, in that order.
 """
 
 from __future__ import annotations
