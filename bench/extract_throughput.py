@@ -189,9 +189,7 @@ def main() -> None:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         info = resolve(args.verifier)
         if args.data:
-            from eyas.datasets import load_prepared
-
-            source = PreparedRows(load_prepared(args.data)[0], args.data)
+            source = PreparedRows(args.data)
         else:
             source = synthetic_rows(args.rows, info.vocab_size, median=args.median_len, max_len=args.max_len)
         compute = torch.bfloat16 if device.type == "cuda" else torch.float32

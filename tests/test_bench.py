@@ -86,3 +86,36 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert set(by) == {"engine", "hf-static"} and all("error" not in r for r in by.values()), rows
     assert by["engine"]["tokens"] == by["hf-static"]["tokens"] > 0
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
+
+
+def test_quality_results_gathers_a_run_from_its_stage_outputs(made, tmp_path):
+    """bench/quality_results.py on a quality.sh-shaped run folder made of real stage outputs (regenerate,
+    prepare, vocab, a trained draft, an eval at K = 2 and 3): every figure comes from those files."""
+    from eyas.cli import main
+
+    run = tmp_path / "q"
+    (run / "logs").mkdir(parents=True)
+    for name, src in (("regen", made.regenerated), ("prep", made.prepared), ("vocab", made.vocab),
+                      ("draft_lr1e-3", made.draft)):  # fmt: skip
+        (run / name).symlink_to(src)
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["Hi there.", "And again?"]}) + "\n")
+    assert main(["eval", "--verifier", made.verifier, "--draft", str(made.draft), "--prompts", str(prompts),
+                 "--max-new-tokens", "5", "--draft-tokens", "2,3", "--out", str(run / "eval_mtbench.json")]) == 0
+    (run / "logs" / "seconds.txt").write_text("regenerate 30\nregenerate 90\ntrain 60\n")  # two calls, then one
+    out = tmp_path / "quality.json"
+    r = subprocess.run([sys.executable, str(BENCH / "quality_results.py"), str(run), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    report = json.loads((run / "eval_mtbench.json").read_text())
+    assert set(got["eval"]["mt-bench"]) == {"K=2", "K=3"}
+    k2 = got["eval"]["mt-bench"]["K=2"]
+    assert k2["tau"] == report["by_draft_tokens"]["2"]["tau"] and k2["num_prompts"] == 1
+    assert k2["lossless"] is True and len(got["eval"]["mt-bench"]["K=3"]["acceptance_per_position"]) == 3
+    manifest = json.loads((made.draft / "manifest.json").read_text())
+    assert got["train"]["runs"][0]["val_tau"] == manifest["outputs"]["val"]["tau"]
+    regenerated = json.loads((made.regenerated / "manifest.json").read_text())
+    assert got["regenerate"]["new_tokens"] == regenerated["outputs"]["new_tokens"]
+    assert got["minutes_per_stage"] == {"regenerate": 2.0, "train": 1.0} and got["complete"] is False
+    assert "mt-bench K=2: tau" in r.stdout

@@ -117,3 +117,85 @@ def test_a_refused_run_leaves_no_empty_folder(made, tmp_path):
     with pytest.raises(EyasError, match="data not found"):
         prepare(verifier=made.verifier, data=str(tmp_path / "no-such.jsonl"), out=str(tmp_path / "o"), num_proc=1)
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- every stage's folder, one protocol
+
+
+def _run_stage(stage: str, made, out) -> None:
+    """``stage`` into ``out`` with the arguments its output in ``made`` was made with (a rerun of it)."""
+    v, out = made.verifier, str(out)
+    if stage == "prepare":
+        from eyas.data import prepare
+
+        prepare(verifier=v, data=str(made.conversations), out=out, max_seq_len=128, num_proc=1)
+    elif stage == "regenerate":
+        from eyas.regenerate import regenerate
+
+        regenerate(verifier=v, data=str(made.conversations), out=out, max_new_tokens=4, max_turns=1)
+    elif stage == "vocab":
+        from eyas.vocab import vocab
+
+        vocab(data=str(made.prepared), out=out, draft_vocab_size=64)
+    elif stage == "extract":
+        from eyas.extract import extract
+
+        extract(verifier=v, data=str(made.prepared), out=out, dtype="fp32")
+    elif stage == "train":
+        from eyas.train import train
+
+        train(**made.train_args(out))
+    else:
+        from eyas.export import export
+
+        export(draft=str(made.draft), out=out)
+
+
+def _own_output(stage: str, made, tmp_path):
+    """A copy of ``stage``'s finished output (export's is made here: no other test needs one)."""
+    if stage == "export":
+        _run_stage("export", made, tmp_path / "made-export")
+        return shutil.copytree(tmp_path / "made-export", tmp_path / "own")
+    made_as = {"prepare": made.prepared, "regenerate": made.regenerated, "vocab": made.vocab,
+               "extract": made.features, "train": made.draft}  # fmt: skip
+    return shutil.copytree(made_as[stage], tmp_path / "own")
+
+
+STAGES = ("prepare", "regenerate", "vocab", "extract", "train", "export")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_second_run_into_a_locked_folder_is_refused(stage, made, tmp_path):
+    """While another process writes an --out (its lock names a live pid), a run of any stage into it stops,
+    naming the lock, and changes nothing: into a new folder, and into the stage's own finished output, which the
+    writer may be redoing (a rerun that only found it up to date would read it half rewritten)."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    for out in (fresh, _own_output(stage, made, tmp_path)):
+        lock = out / ".eyas.lock"
+        lock.write_text(str(os.getppid()))  # a live process holds it
+        before = tree(tmp_path)
+        with pytest.raises(EyasError, match="another eyas process") as e:
+            _run_stage(stage, made, out)
+        assert str(lock) in str(e.value)
+        assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_another_stages_folder_is_refused_by_every_stage(stage, made, tmp_path):
+    """Any stage pointed at another stage's folder, finished or stopped part way, refuses it by name and leaves
+    every byte there as it was."""
+    other, finished = ("vocab", made.vocab) if stage == "prepare" else ("prepare", made.prepared)
+    foreign = shutil.copytree(finished, tmp_path / "finished")
+    unfinished = tmp_path / "unfinished"  # a stopped extraction (a stopped regenerate, for extract itself)
+    stopped = "regenerate" if stage == "extract" else "extract"
+    left = unfinished / (".parts/0123456789abcdef/part-00000.records" if stopped == "regenerate" else
+                         ".progress-rank0.json")  # fmt: skip
+    left.parent.mkdir(parents=True)
+    left.write_text('{"plan": "p", "shards": {}}')
+    for out, owner in ((foreign, other), (unfinished, stopped)):
+        before = tree(tmp_path)
+        with pytest.raises(EyasError, match=f"holds the output of `eyas {owner}`") as e:
+            _run_stage(stage, made, out)
+        assert str(out) in str(e.value) and f"`eyas {stage}` would replace it" in str(e.value)
+        assert tree(tmp_path) == before

@@ -231,6 +231,35 @@ def test_one_decoder_serves_every_prompt(setups):
         assert got[0] == got[1]
 
 
+def test_the_baseline_runs_on_the_bare_model(setups):
+    """The plain baseline's forwards carry no hidden-state capture, whichever decoder ran before it (both
+    orders), while every speculative forward has its hooks attached: the speedup's baseline pays for nothing
+    it does not use."""
+    from eyas.measure import Runners
+
+    _, _, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    norm = model.base_model.norm  # the capture always hooks it (the last hidden state is its input)
+    seen: list[tuple[str, int]] = []  # (which decoder, pre-hooks on the final norm beside this probe)
+    which = ["none"]
+    probe = norm.register_forward_pre_hook(lambda m, a: seen.append((which[0], len(m._forward_pre_hooks) - 1)))
+    try:
+        r = Runners.build(model, draft, draft_tokens=[K], max_len=256, cuda_graphs=False, compile=False)
+        ids = prompts[0]
+        for order in (("base", "spec"), ("spec", "base")):
+            for name in order:
+                seen.clear()
+                which[0] = name
+                if name == "base":
+                    plain_generate(r.base, ids, max_new_tokens=8, eos_ids=eos)
+                else:
+                    speculative_generate(r.spec, r.draft, ids, max_new_tokens=8, draft_tokens=K, eos_ids=eos)
+                hooks = {n for _, n in seen}
+                assert seen and hooks == ({0} if name == "base" else {1}), (order, name, hooks)
+    finally:
+        probe.remove()
+
+
 def test_sliding_window_verifier_rolls_back():
     """A sliding-window verifier (Mistral, window 8 < the sequence): the slot attention masks keys past the
     window, rolls back across it, and speculative decoding stays lossless, equal to transformers' generate."""

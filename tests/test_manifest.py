@@ -11,6 +11,7 @@ import pytest
 from eyas.errors import EyasError
 from eyas.manifest import (
     OutputLock,
+    StageOutput,
     atomic_path,
     check_free_disk,
     manifest_matches,
@@ -79,3 +80,38 @@ def test_atomic_file_gets_a_normal_mode(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_stage_output_skips_a_finished_output_and_redoes_its_own(tmp_path):
+    """finish writes the manifest that up_to_date finds on the next run (with its files there); other settings
+    or a missing file mean work, which unfinish marks; with ``other`` such a folder is refused instead; the lock
+    is held only inside, and a folder the run created and left empty is removed again."""
+    out = tmp_path / "o"
+    with pytest.raises(EyasError, match="boom"), StageOutput(out, stage="vocab") as o:
+        assert (out / ".eyas.lock").read_text() == str(os.getpid())
+        raise EyasError("boom")
+    assert not out.exists()  # created by the failed run, empty: removed
+    inputs, settings = {"data": "x"}, {"n": 1}
+    with StageOutput(out, stage="vocab") as o:
+        assert o.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy",)) is None
+        (out / "d2t.npy").write_bytes(b"d")
+        made = o.finish(outputs={"rows": 3})
+    assert not (out / ".eyas.lock").exists() and made["inputs"] == inputs
+    with StageOutput(out, stage="vocab") as o:
+        assert o.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy",)) == made
+        assert o.up_to_date(inputs=inputs, settings=settings, files=("t2d.npy",)) is None  # a file is missing
+        assert o.up_to_date(inputs=inputs, settings={"n": 2}) is None
+        with pytest.raises(EyasError, match=f"{out} holds a vocab made from other inputs or settings"):
+            o.up_to_date(inputs=inputs, settings={"n": 2}, other="a vocab")
+        o.unfinish()
+        assert not (out / "manifest.json").exists() and (out / "d2t.npy").is_file()
+
+
+def test_stage_output_refuses_another_stages_folder_before_locking_it(tmp_path):
+    write_manifest(tmp_path, stage="prepare", inputs={}, settings={}, outputs={})
+    with pytest.raises(EyasError, match="holds the output of `eyas prepare`; `eyas vocab` would replace it"):
+        with StageOutput(tmp_path, stage="vocab"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    with pytest.raises(AssertionError, match="before up_to_date"), StageOutput(tmp_path / "v", stage="vocab") as o:
+        o.finish(outputs={})

@@ -46,15 +46,7 @@ from eyas.chat import ChatTemplate, TemplateSplitError
 from eyas.config import StageConfig, option, stage_function
 from eyas.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.errors import EyasError
-from eyas.manifest import (
-    OutputLock,
-    atomic_path,
-    manifest_matches,
-    read_manifest,
-    sha256_json,
-    write_json,
-    write_manifest,
-)
+from eyas.manifest import StageOutput, atomic_path, sha256_json, write_json
 
 CHUNK = 128  # conversations per task handed to a worker
 PART = 32  # chunks per part file on disk: the unit an interrupted run resumes from
@@ -331,7 +323,7 @@ def run(c: PrepareConfig) -> dict[str, Any]:
     out_dir = Path(out)
     # the lock first: a second prepare into this --out stops here, before it reads anything, and another
     # stage's folder is refused before anything in it changes
-    with OutputLock(out_dir, stage="prepare"):
+    with StageOutput(out_dir, stage="prepare") as output:
         info = resolve(verifier)
         files, report, named = open_source(data, strict=strict)
         if named is not None and named.prompt_only:
@@ -351,9 +343,8 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             inputs["remote_code"] = remote_code_hashes(info)
         settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
                     "on_overflow": on_overflow}  # fmt: skip
-        done = (out_dir / PREPARED_ROWS).is_dir()
-        if done and manifest_matches(out_dir, stage="prepare", inputs=inputs, settings=settings):
-            manifest = read_manifest(out_dir, stage="prepare")
+        manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
+        if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
             return manifest
         num_proc = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -409,9 +400,8 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             "truncated_rows": counts["truncated"],
             "rows_split_at_turn_boundaries": totals["splits"],
         }
-        manifest = write_manifest(
-            out_dir, stage="prepare", inputs=inputs, settings=settings, outputs=outputs,
-            report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
+        manifest = output.finish(
+            outputs=outputs, report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
             chat_template=chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
             timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
                     "num_proc": num_proc, "resumed_parts": len(finished)},

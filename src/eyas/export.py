@@ -47,16 +47,7 @@ from eyas.checkpoint import (
 from eyas.config import StageConfig, option, stage_function
 from eyas.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.errors import EyasError
-from eyas.manifest import (
-    MANIFEST,
-    OutputLock,
-    human_bytes,
-    manifest_matches,
-    read_json,
-    read_manifest,
-    sha256_file,
-    write_manifest,
-)
+from eyas.manifest import StageOutput, human_bytes, read_json, sha256_file
 from eyas.model import DraftConfig
 from eyas.verifier_info import check_aux_layer_ids
 
@@ -147,10 +138,11 @@ def run(c: ExportConfig) -> dict[str, Any]:
     settings = {"format": format, "from_format": from_format or "native", "verifier_name": verifier_name,
                 "speculative_tokens": speculative_tokens, "include_embeddings": include_embeddings,
                 "dtype": dtype}  # fmt: skip
-    if manifest_matches(dst, stage="export", inputs=inputs, settings=settings) and (dst / CONFIG).is_file():
-        print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
-        return read_manifest(dst, stage="export")
-    with OutputLock(dst, stage="export"):
+    with StageOutput(dst, stage="export") as output:
+        manifest = output.up_to_date(inputs=inputs, settings=settings, files=(CONFIG,))
+        if manifest is not None:
+            print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
+            return manifest
         d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
         where = str(src / CONFIG)
         if info is not None:
@@ -166,8 +158,8 @@ def run(c: ExportConfig) -> dict[str, Any]:
                 raise EyasError(f"{where} does not name its verifier; pass --verifier PATH or --verifier-name ORG/NAME")
             arch = d.verifier_architectures or (_verifier_architectures(info) if info else [])
             ttt_steps = int(speculative_tokens or d.ttt_steps or DEFAULT_SPECULATIVE_TOKENS)
-        for stale in (MANIFEST, CONFIG):  # checks passed: a re-export interrupted from here must not look finished
-            (dst / stale).unlink(missing_ok=True)
+        output.unfinish()  # checks passed: a re-export interrupted from here must not look finished
+        (dst / CONFIG).unlink(missing_ok=True)
         if format == "eagle":
             write_checkpoint(dst, eagle_tensors(d.cfg, tensors, dtype=torch_dtype),
                              eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
@@ -176,8 +168,7 @@ def run(c: ExportConfig) -> dict[str, Any]:
                          ttt_steps=ttt_steps, dtype=torch_dtype,
                          include_embeddings=include_embeddings)  # fmt: skip
         outputs = _describe(dst, d.cfg, format=format)
-        manifest = write_manifest(dst, stage="export", inputs=inputs, settings=settings, outputs=outputs,
-                                  source=str(src.resolve()))  # fmt: skip
+        manifest = output.finish(outputs=outputs, source=str(src.resolve()))
     _print_summary(dst, outputs, verifier=verifier_name or d.verifier_name or (info.path if info else "VERIFIER"))
     recorded = manifest["outputs"].get("verifier_name_or_path")
     if recorded and Path(recorded).exists():

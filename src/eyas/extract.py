@@ -19,7 +19,6 @@ is :mod:`eyas.features`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -231,8 +230,7 @@ extract = stage_function(ExtractConfig, run, "extract")
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
              speculators_out) -> dict[str, Any]:  # fmt: skip
     from eyas.datasets import prepared_verifier
-    from eyas.manifest import (MANIFEST, OutputLock, check_free_disk, human_bytes, manifest_matches, sha256_json,
-                               write_json, write_manifest)
+    from eyas.manifest import StageOutput, check_free_disk, human_bytes, sha256_json, write_json
     from eyas.verifier import build_text_model
     from eyas.verifier_info import check_aux_layer_ids, fingerprint, resolve
 
@@ -274,15 +272,11 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                 "window_shards": WINDOW_SHARDS}  # fmt: skip
     plan = sha256_json({"inputs": inputs, "settings": settings})
 
-    with contextlib.ExitStack() as stack:
+    with StageOutput(out, stage=STAGE, d=d) as output:
 
-        def open_out() -> dict[str, Any] | None:
-            if manifest_matches(out, stage=STAGE, inputs=inputs, settings=settings):
+        def open_out() -> dict[str, Any] | None:  # on rank 0: None when finished, else the shards done so far
+            if output.up_to_date(inputs=inputs, settings=settings, other="features") is not None:
                 return None
-            if (out / MANIFEST).exists():
-                raise EyasError(f"{out} holds features made from other inputs or settings; choose another --out "
-                                "or remove it")  # fmt: skip
-            stack.enter_context(OutputLock(out))
             for tmp in out.glob(".*.tmp-*"):  # left by a killed run; the lock says no writer is alive
                 if tmp.is_file():
                     tmp.unlink()
@@ -339,8 +333,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                     raise EyasError(f"{out}: shard {shard_name(s, e)} was not recorded by any rank; run again")
                 ordered.append(entry)
             tokens, nbytes = sum(x["tokens"] for x in ordered), sum(x["bytes"] for x in ordered)
-            m = write_manifest(
-                out, stage=STAGE, inputs=inputs, settings=settings,
+            m = output.finish(
                 outputs={"rows": len(source.lengths), "tokens": tokens, "bytes": nbytes,
                          "bytes_per_token": nbytes / max(tokens, 1), "shards": ordered},
                 format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=dtype, hidden_size=H,

@@ -4,7 +4,10 @@ A stage writes its outputs through :func:`atomic_path` (write to a temporary
 name in the same directory, fsync, rename), so a crash never leaves a
 half-written file under its final name. Its ``manifest.json`` says what was
 made, from what inputs, with which settings and versions; a stage whose
-manifest already matches its inputs is skipped.
+manifest already matches its inputs is skipped. Every stage that writes a
+folder (all but eval, whose report is one file) goes through
+:class:`StageOutput`: the refusal of another stage's folder, the lock, the
+skip and the manifest, in that order.
 """
 
 from __future__ import annotations
@@ -296,6 +299,82 @@ class OutputLock:
             with contextlib.suppress(OSError):  # not empty: the run wrote something, which stays
                 self.dir.rmdir()
             self._created = False
+
+
+class StageOutput:
+    """A stage's output folder from its lock to its manifest: the one way every stage writes its folder.
+
+    Entering refuses a folder that is a file or holds another stage's output, finished or not (:func:`check_out`),
+    and takes the folder's lock (:class:`OutputLock`): on rank 0 only when ``d`` (an :class:`eyas.dist.Dist`) is
+    given, a refusal reaching every rank. Under the lock, :meth:`up_to_date` tells whether a finished output of
+    the same inputs and settings is there (the stage skips itself), :meth:`unfinish` removes an older manifest
+    that a crash during the new work would leave vouching for it, and :meth:`finish` writes the manifest,
+    atomically and last, so that a folder without one is unfinished. The partial work a stage resumes from
+    (prepare's and regenerate's parts, extract's progress, train's checkpoints) stays the stage's own; the lock
+    makes the stage its only writer.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, *, stage: str, d: Any = None) -> None:
+        self.dir = Path(out_dir)
+        self.stage = stage
+        self.inputs: dict[str, Any] | None = None
+        self.settings: dict[str, Any] | None = None
+        self._d = d
+        self._lock = OutputLock(self.dir, stage=stage)
+
+    def _main(self) -> bool:
+        return self._d is None or self._d.is_main
+
+    def _take(self) -> None:
+        self._lock.__enter__()
+
+    def __enter__(self) -> "StageOutput":
+        if self._d is None:
+            self._take()
+        else:
+            self._d.run_on_main(self._take)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._main():
+            self._lock.__exit__(*exc)
+
+    def up_to_date(
+        self,
+        *,
+        inputs: dict[str, Any],
+        settings: dict[str, Any],
+        files: tuple[str, ...] = (),
+        other: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The manifest of a finished output made from ``inputs`` with ``settings`` whose ``files`` are all
+        there (the stage has nothing to do), else None; :meth:`finish` records these inputs and settings.
+
+        With ``other`` (what the folder holds, e.g. ``"features"``), a finished output of other inputs or
+        settings is refused rather than redone: the stage does not replace work it could not resume.
+        """
+        self.inputs, self.settings = inputs, settings
+        if all((self.dir / f).exists() for f in files) and manifest_matches(
+            self.dir, stage=self.stage, inputs=inputs, settings=settings
+        ):
+            return read_manifest(self.dir, stage=self.stage)
+        if other is not None and (self.dir / MANIFEST).exists():
+            raise EyasError(f"{self.dir} holds {other} made from other inputs or settings; choose another --out "
+                            "or remove it")  # fmt: skip
+        return None
+
+    def unfinish(self) -> None:
+        """Remove the manifest of an earlier output of this stage before new work begins, so that a crash part
+        way leaves a folder that reads as unfinished, not as the earlier output."""
+        (self.dir / MANIFEST).unlink(missing_ok=True)
+
+    def finish(self, *, outputs: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """Write the manifest (the inputs and settings given to :meth:`up_to_date`, ``outputs``, ``extra``),
+        atomically and after every other file: the output is finished."""
+        if self.inputs is None or self.settings is None:
+            raise AssertionError("StageOutput.finish before up_to_date: the manifest would record no inputs")
+        return write_manifest(self.dir, stage=self.stage, inputs=self.inputs, settings=self.settings,
+                              outputs=outputs, **extra)  # fmt: skip
 
 
 def check_free_disk(path: str | os.PathLike, *, needed: int, what: str) -> None:

@@ -23,7 +23,6 @@ nothing lost or done twice; the conversations file appears, whole and in the pro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -39,8 +38,7 @@ from eyas import dist
 from eyas.config import StageConfig, option, stage_function
 from eyas.datasets import CONVERSATIONS
 from eyas.errors import EyasError
-from eyas.manifest import (MANIFEST, OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json,
-                           write_manifest)  # fmt: skip
+from eyas.manifest import StageOutput, atomic_path, check_out, sha256_json
 from eyas.remote import Answer, Server, without_credentials
 
 __all__ = ["CONVERSATIONS", "regenerate"]
@@ -120,7 +118,6 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     from eyas.chat import ChatTemplate
     from eyas.datasets import load_prompts, open_source, source_sha256
     from eyas.generate import device_and_dtype
-    from eyas.manifest import check_out
     from eyas.verifier import load_tokenizer
     from eyas.verifier_info import fingerprint, resolve
 
@@ -131,7 +128,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     server_timeout, strict, trust_remote_code = c.server_timeout, c.strict, c.trust_remote_code
     chat_template = c.chat_template
 
-    check_out(out, stage="regenerate")  # another stage's folder: its manifest would be removed below
+    check_out(out, stage="regenerate")  # another stage's folder, refused before the verifier loads (and again below)
     dev, dt = device_and_dtype(device, dtype)
 
     info = resolve(verifier)
@@ -151,25 +148,24 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
         if device_map is not None and d.active:
             raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "
                             "torchrun (or run one process)")  # fmt: skip
-        with contextlib.ExitStack() as stack:
+        with StageOutput(out_dir, stage="regenerate", d=d) as output:
             parts = out_dir / ".parts" / sha256_json({"inputs": inputs, "settings": settings})[:16]
 
-            def open_out() -> bool:  # on rank 0: whether there is work, with the lock taken when there is
-                done = manifest_matches(out_dir, stage="regenerate", inputs=inputs, settings=settings)
-                if done and (out_dir / CONVERSATIONS).is_file():
-                    return False
-                stack.enter_context(OutputLock(out_dir))
+            def open_out() -> dict[str, Any] | None:  # on rank 0: the finished output, or None: there is work
+                finished = output.up_to_date(inputs=inputs, settings=settings, files=(CONVERSATIONS,))
+                if finished is not None:
+                    return finished
                 if parts.parent.is_dir():  # journals of other inputs or settings are stale
                     for old in parts.parent.iterdir():
                         if old != parts:
                             shutil.rmtree(old, ignore_errors=True)
                 parts.mkdir(parents=True, exist_ok=True)
                 # an older output's manifest would vouch for the new conversations a crash could leave beside it
-                (out_dir / MANIFEST).unlink(missing_ok=True)
-                return True
+                output.unfinish()
+                return None
 
-            if not d.run_on_main(open_out):
-                manifest = read_manifest(out_dir, stage="regenerate")
+            manifest = d.run_on_main(open_out)
+            if manifest is not None:
                 if d.is_main:
                     print(f"regenerate: {out_dir} is up to date ({manifest['outputs']['conversations']} "
                           "conversations); skipping")  # fmt: skip
@@ -215,9 +211,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                                         f"{report.source}: every first answer was empty ({totals['empty_answers']}) "
                                         f"or its prompt too long ({totals['prompt_too_long']})")  # fmt: skip
                 outputs = {"prompts": len(prompts), "rows_in": report.rows_in, **totals}
-                m = write_manifest(
-                    out_dir, stage="regenerate", inputs=inputs, settings=settings, outputs=outputs,
-                    report=report.to_json(), verifier_path=str(info.path), chat_template=chat_template,
+                m = output.finish(
+                    outputs=outputs, report=report.to_json(), verifier_path=str(info.path), chat_template=chat_template,
                     timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
                             "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip

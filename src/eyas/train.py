@@ -20,7 +20,6 @@ gradient stops the run before anything is saved from it.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +174,7 @@ train = stage_function(TrainConfig, run, "train")
 
 def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.attention import default_attn_implementation
-    from eyas.manifest import MANIFEST, OutputLock, manifest_matches, read_json, sha256_json, write_manifest
+    from eyas.manifest import MANIFEST, StageOutput, read_json, sha256_json
     from eyas.model import DraftConfig, Eagle3Draft
     from eyas.verifier import build_text_model, load_head_tensors
     from eyas.verifier_info import check_aux_layer_ids, fingerprint, resolve
@@ -260,24 +259,20 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
               "chat_template_sha256": source.manifest.get("inputs", {}).get("chat_template_sha256")}  # fmt: skip
     run_id = sha256_json({"inputs": inputs, "settings": settings})
 
-    def open_out() -> bool:
-        if manifest_matches(out, stage=STAGE, inputs=inputs, settings=settings):
-            return True
-        if (out / MANIFEST).exists():
-            raise EyasError(f"{out} holds a draft trained from other inputs or settings; choose another --out or "
-                            "remove it")  # fmt: skip
-        return False
+    with StageOutput(out, stage=STAGE, d=d) as output:
 
-    if d.run_on_main(open_out):
-        m = read_json(out / MANIFEST, what="train manifest")
-        if d.is_main:
-            print(f"{out}: already trained ({m['outputs']['steps']} steps); nothing to do")
-        return m["outputs"]
-    with contextlib.ExitStack() as stack:
-        if d.is_main:
-            stack.enter_context(OutputLock(out))
-            for tmp in (out / CHECKPOINTS).glob(".step-*"):  # left by a killed run; the lock says none is alive
-                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        def open_out() -> dict[str, Any] | None:  # on rank 0: the finished output, or None: there is work
+            finished = output.up_to_date(inputs=inputs, settings=settings, other="a draft")
+            if finished is None:
+                for tmp in (out / CHECKPOINTS).glob(".step-*"):  # left by a killed run; the lock says none is alive
+                    shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+            return finished
+
+        m = d.run_on_main(open_out)
+        if m is not None:
+            if d.is_main:
+                print(f"{out}: already trained ({m['outputs']['steps']} steps); nothing to do")
+            return m["outputs"]
         d.barrier("output directory")
 
         # ---- the draft, its targets, the verifier (online)
@@ -379,8 +374,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
             summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,
                            skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
-            write_manifest(out, stage=STAGE, inputs=inputs, settings=settings, outputs=summary,
-                           verifier_path=info.path, data_path=str(c.data))  # fmt: skip
+            output.finish(outputs=summary, verifier_path=info.path, data_path=str(c.data))
             if result["train"]:
                 print_summary(result["train"], label=f"training (last {c.log_every} steps)", accuracy=accuracy)
             if result["val"]:

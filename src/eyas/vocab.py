@@ -28,9 +28,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from eyas.config import StageConfig, option, stage_function
-from eyas.datasets import load_prepared
 from eyas.errors import EyasError
-from eyas.manifest import OutputLock, atomic_path, manifest_matches, read_manifest, sha256_json, write_manifest
+from eyas.manifest import StageOutput, atomic_path, sha256_json
 
 DEFAULT_DRAFT_VOCAB = 32000
 
@@ -101,8 +100,11 @@ class VocabConfig(StageConfig):
 
 def run(c: VocabConfig) -> dict[str, Any]:
     """Run `eyas vocab` as ``c`` describes (see :class:`VocabConfig`)."""
+    from eyas.batches import PreparedRows
+
     data, out, draft_vocab_size, count = c.data, c.out, c.draft_vocab_size, c.count
-    ds, prepared = load_prepared(data)
+    source = PreparedRows(data)
+    prepared = source.manifest
     V = int(prepared.get("vocab_size") or 0)
     if V <= 0:
         raise EyasError(f"{Path(data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
@@ -112,7 +114,7 @@ def run(c: VocabConfig) -> dict[str, Any]:
             f"--draft-vocab-size {n} must be between 1 and the verifier vocab size {V} "
             f"(the draft vocab is a subset of the verifier's)"
         )
-    if ds.num_rows == 0:
+    if len(source) == 0:
         raise EyasError(f"{data} holds no rows: there is nothing to count; prepare more data")
     identity = {k: prepared.get(k) for k in ("stage", "inputs", "settings", "outputs")}
     inputs = {
@@ -122,14 +124,12 @@ def run(c: VocabConfig) -> dict[str, Any]:
     }
     settings = {"draft_vocab_size": n, "count": count}
     out_dir = Path(out)
-    done = all((out_dir / f).is_file() for f in ("d2t.npy", "t2d.npy"))
-    if done and manifest_matches(out_dir, stage="vocab", inputs=inputs, settings=settings):
-        manifest = read_manifest(out_dir, stage="vocab")
-        print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
-        return manifest
-
-    with OutputLock(out_dir, stage="vocab"):
-        masked, every = count_tokens(ds, V, where=str(data))
+    with StageOutput(out_dir, stage="vocab") as output:
+        manifest = output.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy", "t2d.npy"))
+        if manifest is not None:
+            print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
+            return manifest
+        masked, every = count_tokens(source.ds, V, where=str(data))
         counts = masked if count == "masked" else every
         if counts.sum() == 0:
             raise EyasError(f"{data} has no {'loss-masked ' if count == 'masked' else ''}tokens to count")
@@ -139,10 +139,7 @@ def run(c: VocabConfig) -> dict[str, Any]:
             with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
                 np.save(f, arr, allow_pickle=False)
         outputs = _coverage(masked, every, t2d, counts)
-        manifest = write_manifest(
-            out_dir, stage="vocab", inputs=inputs, settings=settings, outputs=outputs,
-            draft_vocab_size=n, vocab_size=V, data_path=str(data),
-        )  # fmt: skip
+        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(data))
     print(
         f"vocab: draft vocab {n:,} of {V:,} target tokens -> {out_dir}\n"
         f"  covers {outputs['masked_coverage']:.2%} of {outputs['masked_tokens']:,} masked tokens "
