@@ -34,7 +34,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from eyas.evaluate import Runners, _as_prompts, conversation_bound, measure, setup, summarize  # noqa: E402
+from eyas.evaluate import setup  # noqa: E402
+from eyas.measure import Runners, as_prompts, conversation_bound, measure, summarize  # noqa: E402
 
 
 def tiny_verifier(where: Path) -> Path:
@@ -107,7 +108,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     env = setup(verifier=args.verifier, draft=args.draft, device=args.device, dtype=args.dtype, seed=args.seed)
-    plist, source = _as_prompts(prompts, num_prompts=args.num_prompts, seed=args.seed)
+    plist, source = as_prompts(prompts, num_prompts=args.num_prompts, seed=args.seed)
     load_s = time.perf_counter() - t0
     K, tok, dev = args.draft_tokens, env["tokenizer"], env["device"]
     bound = conversation_bound(plist, tok, max_new_tokens=args.max_new_tokens, draft_tokens=K)

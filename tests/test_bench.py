@@ -119,3 +119,24 @@ def test_quality_results_gathers_a_run_from_its_stage_outputs(made, tmp_path):
     assert got["regenerate"]["new_tokens"] == regenerated["outputs"]["new_tokens"]
     assert got["minutes_per_stage"] == {"regenerate": 2.0, "train": 1.0} and got["complete"] is False
     assert "mt-bench K=2: tau" in r.stdout
+
+
+def test_eval_speedup_smoke(tmp_path):
+    """bench/eval_speedup.py (eval's loops against transformers' static-cache generate): the same engine's
+    speculative and plain loops agree token for token on a tiny random Llama, and the summary names the
+    baseline it divides by."""
+    rows = _json_lines([str(BENCH / "eval_speedup.py"), "--smoke"], tmp_path)
+    runs = [r for r in rows if "mode" in r]
+    assert runs and all(r["lossless"] is True and r["tokens_per_s"] > 0 for r in runs), runs
+    assert rows[-1]["summary"] and rows[-1]["speedup"] > 0 and rows[-1]["baseline"]
+
+
+def test_int4_memory_smoke(tmp_path):
+    """bench/int4_memory.py at tiny dims: the packed int4 verifier holds fewer bytes than the dequantized one,
+    its states agree within int4 tolerance, and eyas plan's prediction is within a few percent of both."""
+    rows = _json_lines([str(BENCH / "int4_memory.py"), "--smoke", "--workdir", str(tmp_path)], tmp_path)
+    (c,) = [r for r in rows if r.get("what") == "compare"]
+    assert c["resident_ratio"] < 1 and c["aux_rel_diff"] < 0.05 and c["last_rel_diff"] < 0.05
+    by = {r["what"]: r for r in rows}
+    assert abs(c["plan_packed_bytes"] / sum(by["packed"]["resident_bytes"].values()) - 1) < 0.05
+    assert abs(c["plan_bf16_bytes"] / sum(by["dequantized"]["resident_bytes"].values()) - 1) < 0.05
