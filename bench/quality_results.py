@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if not a.run.is_dir():
         print(f"quality_results: {a.run} is not a folder", file=sys.stderr)
         return 2
-    text = json.dumps(gather(a.run), indent=2) + "\n"
+    result = gather(a.run)
+    text = json.dumps(result, indent=2) + "\n"
     if a.out:
         a.out.write_text(text)
-        r = json.loads(text)
-        for s, ks in r["eval"].items():
+        for s, ks in result["eval"].items():
             for k, m in ks.items():
                 print(f"{s} {k}: tau {m['tau']:.3f}, speedup {m['speedup'] or float('nan'):.2f}x, "
                       f"{m['num_prompts']} prompts, lossless {m['lossless']}")
