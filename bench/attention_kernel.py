@@ -2,7 +2,7 @@
 several kernel settings, beside SDPA's fused kernels on the plain causal part (what a dedicated kernel attains).
 
 TTT step k attends over (k+1)*T keys: the causal prefix of step 0 plus one diagonal key per earlier step
-(``eyas.model.TTTContext``). The profiles recorded in commit d42f3e5 put flex attention's backward at 3.8 ms of a 32 ms step at
+(``eyas.draft.model.TTTContext``). The profiles recorded in commit d42f3e5 put flex attention's backward at 3.8 ms of a 32 ms step at
 Llama-3.1-8B dims and 8.9 ms of 63 ms at Kimi-K2.5 dims (H200), about 150 TFLOP/s by a causal FLOP count.
 
     python bench/attention_kernel.py                      # on the GPU: one JSON line per (dims, variant)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eyas.model import TTTContext
+    from eyas.draft.model import TTTContext
 
     if a.smoke:
         a.dims, a.seq_len, a.iters = ["smoke"], 128, 2

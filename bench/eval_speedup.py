@@ -1,7 +1,7 @@
 """Speculative decoding with `eyas eval`'s loop against plain decoding of the same prompts, in the same run.
 
 Report tau and the speedup over the *fastest* plain decoding at batch size 1 on one H200 with
-SmolLM2-135M-Instruct: plain decoding through the same engine as the speculative loop (eyas.generate: slot
+SmolLM2-135M-Instruct: plain decoding through the same engine as the speculative loop (eyas.engine.generate: slot
 cache, CUDA graphs), and transformers' own `generate` with a static cache (which compiles itself on CUDA); the
 speedup is taken against whichever is faster.
 
@@ -34,8 +34,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from eyas.evaluate import setup  # noqa: E402
-from eyas.measure import Runners, as_prompts, conversation_bound, measure, summarize  # noqa: E402
+from eyas.stages.evaluate import setup  # noqa: E402
+from eyas.evaluation.measure import Runners, as_prompts, conversation_bound, measure, summarize  # noqa: E402
 
 
 def tiny_verifier(where: Path) -> Path:

@@ -28,8 +28,8 @@ from pathlib import Path
 def make_draft(path: Path) -> int:
     import torch
 
-    from eyas.checkpoint import expected_shapes, save_tensors
-    from eyas.model import DraftConfig
+    from eyas.draft.checkpoint import expected_shapes, save_tensors
+    from eyas.draft.model import DraftConfig
 
     cfg = DraftConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, vocab_size=128256, draft_vocab_size=32000, aux_layer_ids=[2, 16, 29],
@@ -57,7 +57,7 @@ def step(name: str, work: Path) -> None:
 
         save_file(load_file(str(work / "native" / "model.safetensors")), str(work / "copy.safetensors"))
     else:
-        from eyas.export import export
+        from eyas.stages.export import export
 
         if name == "to_eagle":
             export(draft=str(work / "native"), out=str(work / "eagle"), format="eagle")

@@ -43,9 +43,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
+from eyas.stages.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
                           default_shard_tokens, plan_batches, plan_shards, plan_windows)
-from eyas.verifier import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
+from eyas.verifier.load import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
 
 
 def synthetic_rows(n: int, vocab: int, *, median: int, max_len: int, seed: int = 0) -> InMemoryRows:
@@ -97,7 +97,7 @@ def batches(source, windows):
 def bare(source, windows, attention: str = "eyas") -> tuple[float, float]:
     """tokens/s of the backbone alone on the same padded batches (ids built the same way), and the fraction of
     the tokens it ran that were padding. ``attention``: "eyas" runs SDPA with the backend order extraction uses
-    (:func:`eyas.verifier.varying_shape_attention`), "default" with torch's own."""
+    (:func:`eyas.verifier.load.varying_shape_attention`), "default" with torch's own."""
     tokens, forward_tokens, t0 = 0, 0, time.perf_counter()
     for rows, batch in batches(source, windows):
         ids = EX.padded(rows, batch)

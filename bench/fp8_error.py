@@ -4,7 +4,7 @@ scale (what `eyas extract --dtype fp8` writes) against a per-token scale and bf1
     PYTHONPATH=src python3 bench/fp8_error.py [--verifier smollm2] [--device cpu]
 
 Runs the verifier (fp32) on a few chat rows rendered with its own template, captures the aux and last states
-through `eyas.extract.Extractor` and prints one JSON line per layer: median / max relative error
+through `eyas.stages.extract.Extractor` and prints one JSON line per layer: median / max relative error
 (|q - x| / |x| over each token's H-vector) for the three encodings, and the position-0 token's amax relative to
 the median token's (the "massive activation" that a per-row scale must cover).
 """
@@ -24,9 +24,9 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.extract import Extractor, InMemoryRows, check_layer_ids, plan_shards, plan_windows
-from eyas.features import fp8_decode, fp8_encode, fp8_scale
-from eyas.verifier import build_text_model, load_tokenizer, resolve
+from eyas.stages.extract import Extractor, InMemoryRows, check_layer_ids, plan_shards, plan_windows
+from eyas.data.features import fp8_decode, fp8_encode, fp8_scale
+from eyas.verifier.load import build_text_model, load_tokenizer, resolve
 
 CHATS = [
     ("Explain speculative decoding and why a small draft model speeds up a large one.",

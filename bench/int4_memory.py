@@ -32,8 +32,8 @@ for p in (ROOT / "src", ROOT / "tests"):
         sys.path.insert(0, str(p))
 
 import tiny  # noqa: E402
-from eyas.packed import resident_bytes  # noqa: E402
-from eyas.verifier import build_text_model, forward_hidden_states, resolve  # noqa: E402
+from eyas.verifier.packed import resident_bytes  # noqa: E402
+from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
 DIMS = dict(hidden_size=2048, num_hidden_layers=6, n_routed_experts=128, moe_intermediate_size=512,
             intermediate_size=5632, vocab_size=16384, num_attention_heads=16, num_key_value_heads=16,
@@ -148,7 +148,7 @@ def main() -> None:
     print(json.dumps(dense), flush=True)
     key = str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
     rel = lambda x, y: float((x - y).norm() / y.norm())  # noqa: E731
-    from eyas.plan import verifier_memory
+    from eyas.stages.plan import verifier_memory
 
     predicted = verifier_memory(path)
     print(json.dumps({

@@ -1,4 +1,4 @@
-"""The fused loss' per-chunk kernel (``eyas.loss._soft_ce_chunk``: both log-softmaxes over the draft vocab, KL,
+"""The fused loss' per-chunk kernel (``eyas.training.loss._soft_ce_chunk``: both log-softmaxes over the draft vocab, KL,
 its gradient, the argmax) compiled several ways: time per call, achieved bandwidth, error against fp64.
 
 The chunk reads the draft's and the verifier's logits ([C, N] each, bf16) and writes the gradient ([C, N]);
@@ -26,7 +26,7 @@ VARIANTS = {  # name -> torch.compile keyword arguments (None: eager)
     "dynamic-nosplit": dict(dynamic=True, options={"split_reductions": False}),
     "static": dict(dynamic=False),
     "static-nosplit": dict(dynamic=False, options={"split_reductions": False}),
-    "eyas": "the setting eyas.loss compiles with",
+    "eyas": "the setting eyas.training.loss compiles with",
 }
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import torch
 
-    from eyas.loss import _chunk_fn, _soft_ce_chunk
+    from eyas.training.loss import _chunk_fn, _soft_ce_chunk
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     results = []

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 
-from eyas.data import prepare
+from eyas.stages.prepare import prepare
 
 
 def _cpu_s() -> float:

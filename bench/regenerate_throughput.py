@@ -5,7 +5,7 @@ The prompts are the first user turns of a prompt set (ShareGPT by default) throu
 template, greedy, stopped at the template's end-of-turn token; new tokens are counted up to each answer's own
 end of turn (what a regenerated dataset keeps). Compared, each on the same prompts:
 
-- ``engine``: `eyas.generate.BatchDecoder` (continuous batching over a token budget, CUDA graphs);
+- ``engine``: `eyas.engine.generate.BatchDecoder` (continuous batching over a token budget, CUDA graphs);
 - ``hf-static``: transformers ``generate`` with a static cache (compiled by ``generate`` on CUDA), prompts
   sorted by length and left-padded in batches of ``--hf-batch``, each batch held until its longest answer ends;
 - ``hf-cb``: transformers' continuous batching (``generate_batch``) with its defaults.
@@ -38,9 +38,9 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from eyas.datasets import load_prompts  # noqa: E402
-from eyas.generate import BatchDecoder, Request, RequestQueue, default_batch_tokens, encode_prompt, end_of_turn_ids  # noqa: E402
-from eyas.verifier import build_text_model, load_tokenizer, resolve  # noqa: E402
+from eyas.data.datasets import load_prompts  # noqa: E402
+from eyas.engine.generate import BatchDecoder, Request, RequestQueue, default_batch_tokens, encode_prompt, end_of_turn_ids  # noqa: E402
+from eyas.verifier.load import build_text_model, load_tokenizer, resolve  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:

@@ -1,7 +1,7 @@
 """How much of the fused loss' work a prepared dataset lets `eyas train` skip: the share of positions some TTT
 step scores (the rest are prompts and packing padding), and the share of loss rows that still run once the
-scored positions are padded to whole chunks (``eyas.loss.scored_rows``), for a few packings and chunk sizes;
-and the share of positions the verifier's head still runs on for the targets (``eyas.loss.target_rows``).
+scored positions are padded to whole chunks (``eyas.training.loss.scored_rows``), for a few packings and chunk sizes;
+and the share of positions the verifier's head still runs on for the targets (``eyas.training.loss.target_rows``).
 
     python bench/scored_positions.py --data PREPARED        # an `eyas prepare` output; one JSON line per setting
 """
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import numpy as np
 
-    from eyas.batches import PreparedRows, StepData, plan_epoch
-    from eyas.loss import step_masks
+    from eyas.training.batches import PreparedRows, StepData, plan_epoch
+    from eyas.training.loss import step_masks
 
     src = PreparedRows(a.data)
     n = len(src)

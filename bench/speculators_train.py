@@ -1,6 +1,6 @@
 """speculators 0.9.0's own trainer on the same synthetic features as bench/train_throughput.py, for a side-by-side.
 
-The eyas feature shards are re-written in speculators' offline layout (``eyas.features.write_speculators``:
+The eyas feature shards are re-written in speculators' offline layout (``eyas.data.features.write_speculators``:
 ``hidden_states/hs_{i}.safetensors`` + an Arrow dataset), the same head-only verifier and draft vocab are passed,
 and ``speculators.train.cli.main`` runs in this process for ``--steps`` optimizer steps. Two modes (DESIGN.md,
 "Known traps"):
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         a.preset, a.steps, a.seq_len = "smoke", 6, 64
     import torch
 
-    from eyas.features import write_speculators
+    from eyas.data.features import write_speculators
 
     rows = a.steps + 2  # same inputs as bench/train_throughput.py at one sequence per step
     inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len)

@@ -3,7 +3,7 @@
 - a *head-only verifier*: a Llama ``config.json`` with the target's dimensions and a ``model.safetensors`` holding
   only ``model.embed_tokens.weight``, ``lm_head.weight`` and ``model.norm.weight`` (random). Offline training
   reads nothing else from a verifier; speculators' trainer reads the same three tensors.
-- eyas feature shards (:mod:`eyas.features`, random bf16 states, rows of fixed length with a prompt prefix
+- eyas feature shards (:mod:`eyas.data.features`, random bf16 states, rows of fixed length with a prompt prefix
   outside the loss mask) and their manifest, as ``eyas extract`` would write them;
 - a draft vocab (``d2t.npy``/``t2d.npy``) of random target ids.
 
@@ -91,9 +91,9 @@ def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, pr
              shard_rows: int = 16) -> Path:  # fmt: skip
     """``rows`` rows of ``seq_len`` tokens; the first ``prompt`` tokens of each are outside the loss mask (an eighth
     of the row when ``prompt`` would leave no answer: the smoke runs' 64-token rows)."""
-    from eyas.features import FORMAT, shard_tensors, write_shard
-    from eyas.manifest import write_manifest
-    from eyas.verifier import default_aux_layer_ids, fingerprint, resolve
+    from eyas.data.features import FORMAT, shard_tensors, write_shard
+    from eyas.core.manifest import write_manifest
+    from eyas.verifier.load import default_aux_layer_ids, fingerprint, resolve
 
     if _done(path):
         return path

@@ -1,6 +1,6 @@
 """eyas train on synthetic features at real draft dimensions: tokens/s, step-time breakdown, peak memory, MFU.
 
-Runs the real ``eyas.train.train`` (offline, from feature shards on disk, through its DataLoader) for ``--steps``
+Runs the real ``eyas.stages.train.train`` (offline, from feature shards on disk, through its DataLoader) for ``--steps``
 optimizer steps and prints one JSON line. Throughput is measured over the log windows after the first (which
 pays for torch.compile); every ``--profile-every``-th step syncs at phase boundaries for the breakdown.
 
@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
         a.preset, a.steps, a.seq_len, a.num_workers, a.log_every, a.profile_every = "smoke", 6, 64, 0, 2, 3
     import torch
 
-    from eyas.train import train
+    from eyas.stages.train import train
 
     import os
 
     if a.torch_adamw:  # FusedAdamW falls back to torch's step where its kernel does not apply; make that everywhere
-        from eyas.precision import FusedAdamW
+        from eyas.training.precision import FusedAdamW
 
         FusedAdamW._fast = lambda self: False
 
@@ -163,7 +163,7 @@ def _memory_probe(*, skip: int) -> dict:
     peak between the trainer's phase marks), filled in as the run goes; no device sync."""
     import torch
 
-    from eyas import train as train_mod
+    from eyas.stages import train as train_mod
 
     found = {"at_step_start_gib": 0.0, "step_adds_gib": 0.0, "params_gib": 0.0, "optimizer_state_gib": 0.0}
     step, mark = train_mod.Trainer.train_step, train_mod._Timer.mark
@@ -304,7 +304,7 @@ def _profiler(active: int, *, wait: int):
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from eyas import train as train_mod
+    from eyas.stages import train as train_mod
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
 

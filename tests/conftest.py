@@ -70,7 +70,7 @@ def made(make_tiny, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from eyas.locate import demo_verifier_path
+    from eyas.verifier.locate import demo_verifier_path
 
     return demo_verifier_path()
 

@@ -1,4 +1,4 @@
-"""Runs speculators 0.9.0 itself, in its own process, for tests/test_speculators_crosscheck.py.
+"""Runs speculators 0.9.0 itself, in its own process, for tests/e2e/test_speculators_crosscheck.py.
 
 Started with ``PYTHONPATH=<the dir make setup installed speculators into>`` so speculators' pinned
 transformers (<=5.19) and its pydantic registry never enter the test process. It never imports eyas: every

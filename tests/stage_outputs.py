@@ -63,7 +63,7 @@ class Outputs:
 
     @functools.cached_property
     def prepared(self) -> Path:
-        from eyas.data import prepare
+        from eyas.stages.prepare import prepare
 
         prepare(verifier=self.verifier, data=str(self.conversations), out=str(self.root / "prepared"),
                 max_seq_len=128, num_proc=1)  # fmt: skip
@@ -71,7 +71,7 @@ class Outputs:
 
     @functools.cached_property
     def regenerated(self) -> Path:
-        from eyas.regenerate import regenerate
+        from eyas.stages.regenerate import regenerate
 
         regenerate(verifier=self.verifier, data=str(self.conversations), out=str(self.root / "regenerated"),
                    max_new_tokens=4, max_turns=1)  # fmt: skip
@@ -79,14 +79,14 @@ class Outputs:
 
     @functools.cached_property
     def vocab(self) -> Path:
-        from eyas.vocab import vocab
+        from eyas.stages.vocab import vocab
 
         vocab(data=str(self.prepared), out=str(self.root / "vocab"), draft_vocab_size=64)
         return self.root / "vocab"
 
     @functools.cached_property
     def features(self) -> Path:
-        from eyas.extract import extract
+        from eyas.stages.extract import extract
 
         extract(verifier=self.verifier, data=str(self.prepared), out=str(self.root / "features"), dtype="fp32")
         return self.root / "features"
@@ -98,7 +98,7 @@ class Outputs:
 
     @functools.cached_property
     def draft(self) -> Path:
-        from eyas.train import train
+        from eyas.stages.train import train
 
         train(**self.train_args(self.root / "draft"))
         return self.root / "draft"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The generation engine (eyas.generate, behind eyas regenerate and eyas eval) on one H200: the GPU tests (CUDA
+# The generation engine (eyas.engine.generate, behind eyas regenerate and eyas eval) on one H200: the GPU tests (CUDA
 # graphs against eager decoding), then eyas's engine against transformers' static-cache generate and continuous
 # batching on ShareGPT's first turns (bench/regenerate_throughput.py), and eval's batch-1 loops, plain and
 # speculative (bench/eval_speedup.py; an untrained draft, what a round costs, unless DRAFT=DIR names a trained

@@ -12,7 +12,7 @@
 #                                  goes to /tmp/g in one call and is joined with the second in the next, at once
 #   .carry/smol-config/            SmolLM2's config.json and tokenizer, saved from the GGUF (a random-weight model of
 #                                  its shape needs no GGUF: bench/gpu/generate.sh random)
-#   .carry/sharegpt_prompts.jsonl.gz   ShareGPT's user turns, one {"id", "turns"[, "system"]} a line (eyas.datasets.load_prompts)
+#   .carry/sharegpt_prompts.jsonl.gz   ShareGPT's user turns, one {"id", "turns"[, "system"]} a line (eyas.data.datasets.load_prompts)
 #   .carry/mt_bench.jsonl          MT-Bench's 80 questions (FastChat's question.jsonl, as installed)
 #   .carry/humaneval.jsonl.gz      HumanEval's 164 prompts (as installed)
 #
@@ -52,8 +52,8 @@ import json
 import shutil
 from pathlib import Path
 
-from eyas.datasets import load_prompts, named_set_path
-from eyas.verifier import demo_verifier_path
+from eyas.data.datasets import load_prompts, named_set_path
+from eyas.verifier.load import demo_verifier_path
 
 carry = Path(".carry")
 gguf = demo_verifier_path()

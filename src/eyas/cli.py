@@ -1,6 +1,6 @@
 """The ``eyas`` command: one subcommand per stage, each built from its stage config's fields.
 
-A stage config (:mod:`eyas.config`: a dataclass whose fields carry their type, default and help) *is* the
+A stage config (:mod:`eyas.core.config`: a dataclass whose fields carry their type, default and help) *is* the
 command: the flags, their types, choices, defaults and help come from it, as do the Python keyword function and
 an ``eyas run`` section, so the three cannot drift apart. Stage modules are imported only when their subcommand
 runs, so ``eyas --help`` is instant.
@@ -18,30 +18,30 @@ import sys
 import typing
 from typing import Any, Callable, Literal
 
-from eyas.config import StageConfig, default_of, type_hints
-from eyas.errors import EyasError
-from eyas.validate import check_arguments, unwrap_optional
+from eyas.core.config import StageConfig, default_of, type_hints
+from eyas.core.errors import EyasError
+from eyas.core.validate import check_arguments, unwrap_optional
 
 # name -> (module:config, module:runner, one-line help). Positional arguments and extra flag names are the
 # config fields' own (`option(positional=..., aliases=...)`).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "inspect": ("eyas.verifier_info:InspectConfig", "eyas.verifier_info:run", "describe a verifier checkpoint (dir, "
+    "inspect": ("eyas.verifier.info:InspectConfig", "eyas.verifier.info:run", "describe a verifier checkpoint (dir, "
                 "GGUF or 'smollm2') without loading it"),
-    "plan": ("eyas.plan:PlanConfig", "eyas.plan:run", "from a verifier's config alone: its memory packed and in bf16, "
+    "plan": ("eyas.stages.plan:PlanConfig", "eyas.stages.plan:run", "from a verifier's config alone: its memory packed and in bf16, "
              "GPUs, feature bytes, offline or online, GPU-hours"),
-    "regenerate": ("eyas.regenerate:RegenerateConfig", "eyas.regenerate:run", "answer a dataset's prompts with the "
+    "regenerate": ("eyas.stages.regenerate:RegenerateConfig", "eyas.stages.regenerate:run", "answer a dataset's prompts with the "
                    "verifier itself, for prepare (resumable)"),
-    "prepare": ("eyas.data:PrepareConfig", "eyas.data:run", "tokenize conversations with the verifier's chat template "
+    "prepare": ("eyas.stages.prepare:PrepareConfig", "eyas.stages.prepare:run", "tokenize conversations with the verifier's chat template "
                 "and mask the assistant's tokens"),
-    "vocab": ("eyas.vocab:VocabConfig", "eyas.vocab:run", "choose the draft vocabulary from prepared rows (d2t.npy, "
+    "vocab": ("eyas.stages.vocab:VocabConfig", "eyas.stages.vocab:run", "choose the draft vocabulary from prepared rows (d2t.npy, "
               "t2d.npy)"),
-    "extract": ("eyas.extract:ExtractConfig", "eyas.extract:run", "store the verifier's aux and last hidden states for "
+    "extract": ("eyas.stages.extract:ExtractConfig", "eyas.stages.extract:run", "store the verifier's aux and last hidden states for "
                 "offline training (resumable, torchrun-ready, --verify DIR checks a result)"),
-    "train": ("eyas.train:TrainConfig", "eyas.train:run", "train the EAGLE-3 draft with training-time test, offline "
+    "train": ("eyas.stages.train:TrainConfig", "eyas.stages.train:run", "train the EAGLE-3 draft with training-time test, offline "
               "or --online (resumable, torchrun-ready: DDP or FSDP2)"),
-    "export": ("eyas.export:ExportConfig", "eyas.export:run", "write a draft in the vLLM (speculators) or SGLang "
+    "export": ("eyas.stages.export:ExportConfig", "eyas.stages.export:run", "write a draft in the vLLM (speculators) or SGLang "
                "(EAGLE) layout, or import an EAGLE/SpecForge/speculators draft"),
-    "eval": ("eyas.evaluate:EvalConfig", "eyas.evaluate:run", "measure a draft by real speculative decoding: tau, "
+    "eval": ("eyas.stages.evaluate:EvalConfig", "eyas.stages.evaluate:run", "measure a draft by real speculative decoding: tau, "
              "acceptance, lossless, speedup"),
     "run": ("eyas.pipeline:RunConfig", "eyas.pipeline:run_pipeline", "run the stages a TOML config lists, in order, "
             "resumably"),

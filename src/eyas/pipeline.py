@@ -14,19 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from eyas.config import StageConfig, changed, option, stage_function
-from eyas.errors import EyasError
-from eyas.validate import check_arguments
+from eyas.core.config import StageConfig, changed, option, stage_function
+from eyas.core.errors import EyasError
+from eyas.core.validate import check_arguments
 
 #: The pipeline in order: section name and the stage's config (its module's ``run(config)`` runs it).
 PIPELINE: tuple[tuple[str, str], ...] = (
-    ("regenerate", "eyas.regenerate:RegenerateConfig"),
-    ("prepare", "eyas.data:PrepareConfig"),
-    ("vocab", "eyas.vocab:VocabConfig"),
-    ("extract", "eyas.extract:ExtractConfig"),
-    ("train", "eyas.train:TrainConfig"),
-    ("export", "eyas.export:ExportConfig"),
-    ("eval", "eyas.evaluate:EvalConfig"),
+    ("regenerate", "eyas.stages.regenerate:RegenerateConfig"),
+    ("prepare", "eyas.stages.prepare:PrepareConfig"),
+    ("vocab", "eyas.stages.vocab:VocabConfig"),
+    ("extract", "eyas.stages.extract:ExtractConfig"),
+    ("train", "eyas.stages.train:TrainConfig"),
+    ("export", "eyas.stages.export:ExportConfig"),
+    ("eval", "eyas.stages.evaluate:EvalConfig"),
 )
 
 
@@ -81,7 +81,7 @@ run = stage_function(RunConfig, run_pipeline, "run")
 def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any], StageConfig]]]:
     """Read and check a config without running anything: ``(path, out root, [(stage, run, stage config)])``
     in pipeline order. Every section is made into its stage's config as the command line's flags are
-    (:func:`eyas.validate.check_arguments`: names, types, ranges, places), so a bad key or value is an error
+    (:func:`eyas.core.validate.check_arguments`: names, types, ranges, places), so a bad key or value is an error
     naming it before the first stage runs."""
     path = Path(config)
     try:
@@ -137,10 +137,10 @@ class DemoConfig(StageConfig):
 
 def run_demo(c: DemoConfig) -> None:
     """Run `eyas demo` as ``c`` describes (see :class:`DemoConfig`)."""
-    from eyas.data import prepare
-    from eyas.locate import DEMO_VERIFIER
-    from eyas.verifier_info import inspect
-    from eyas.vocab import vocab
+    from eyas.stages.prepare import prepare
+    from eyas.verifier.locate import DEMO_VERIFIER
+    from eyas.verifier.info import inspect
+    from eyas.stages.vocab import vocab
 
     out = c.out
 
@@ -178,8 +178,8 @@ def demo_regenerate(*, out: Path) -> dict:
     prepares ShareGPT's own answers: two conversations are too few to train on.)"""
     import json
 
-    from eyas.regenerate import CONVERSATIONS, regenerate
-    from eyas.locate import DEMO_VERIFIER
+    from eyas.stages.regenerate import CONVERSATIONS, regenerate
+    from eyas.verifier.locate import DEMO_VERIFIER
 
     print(f"\n== eyas regenerate: SmolLM2 answers 2 MT-Bench questions itself (first turns, <= 64 tokens) -> {out}")
     manifest = regenerate(verifier=DEMO_VERIFIER, data="mt-bench", out=str(out), max_samples=2, max_turns=1,
@@ -194,8 +194,8 @@ def demo_regenerate(*, out: Path) -> dict:
 def demo_train(*, root: Path) -> dict:
     """The demo's training step: a draft for SmolLM2 from the extracted features, a few steps only (a CPU-sized
     taste: a real draft trains for epochs on a GPU), written as a speculators checkpoint to ``ROOT/draft``."""
-    from eyas.train import train
-    from eyas.locate import DEMO_VERIFIER
+    from eyas.stages.train import train
+    from eyas.verifier.locate import DEMO_VERIFIER
 
     print(f"\n== eyas train: a draft for SmolLM2 from {root / 'features'}, 16 steps of 512 tokens -> {root / 'draft'}")
     return train(verifier=DEMO_VERIFIER, data=str(root / "features"), vocab=str(root / "vocab"),
@@ -207,8 +207,8 @@ def demo_train(*, root: Path) -> dict:
 def demo_extract(*, prepared: Path, out: Path) -> dict:
     """The demo's extract step: SmolLM2's aux and last hidden states for the demo's prepared rows, in bf16,
     then a hash check of every shard (what a user runs before a long training job)."""
-    from eyas.extract import extract
-    from eyas.locate import DEMO_VERIFIER
+    from eyas.stages.extract import extract
+    from eyas.verifier.locate import DEMO_VERIFIER
 
     print(f"\n== eyas extract: hidden states of SmolLM2 for {prepared} -> {out}")
     manifest = extract(verifier=DEMO_VERIFIER, data=str(prepared), out=str(out), dtype="bf16")
@@ -219,8 +219,8 @@ def demo_extract(*, prepared: Path, out: Path) -> dict:
 def ship(*, out: str) -> None:
     """Demo step: the trained draft (``OUT/draft``, the speculators layout vLLM serves as is) exported to the
     EAGLE-3 layout SGLang serves, ``OUT/draft-sglang``. Run it after the training step."""
-    from eyas.export import export
-    from eyas.locate import DEMO_VERIFIER
+    from eyas.stages.export import export
+    from eyas.verifier.locate import DEMO_VERIFIER
 
     print("\n== eyas export: the trained draft in the EAGLE-3 layout SGLang serves")
     export(draft=str(Path(out) / "draft"), out=str(Path(out) / "draft-sglang"), format="eagle",
@@ -231,8 +231,8 @@ def demo_eval(*, draft: str, features: Path | None, out: Path) -> dict:
     """The demo's eval step: real speculative decoding on SmolLM2 over one MT-Bench question (both turns),
     tau and acceptance, the lossless check against plain greedy decoding, and (with features) the tau that
     the draft's accuracy on them predicts, side by side."""
-    from eyas.evaluate import evaluate
-    from eyas.locate import DEMO_VERIFIER
+    from eyas.stages.evaluate import evaluate
+    from eyas.verifier.locate import DEMO_VERIFIER
 
     kind = "an untrained (random) draft: expect tau near 1" if draft == "random" else f"the draft in {draft}"
     print(f"\n== eyas eval: speculative decoding on SmolLM2 with {kind}, 1 MT-Bench question (both turns) -> {out}")

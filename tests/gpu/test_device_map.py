@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tiny  # noqa: E402
 
-from eyas.errors import EyasError  # noqa: E402
-from eyas.verifier import build_text_model, forward_hidden_states, resolve  # noqa: E402
+from eyas.core.errors import EyasError  # noqa: E402
+from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 TWO_GPUS = torch.cuda.device_count() >= 2
@@ -49,7 +49,7 @@ def prepared(t: tiny.Tiny, path: Path, n: int = 24) -> Path:
 
 
 def run_both(t: tiny.Tiny, tmp_path: Path, one: str, device_map) -> tuple[dict, dict]:
-    from eyas.extract import extract
+    from eyas.stages.extract import extract
 
     prep = prepared(t, tmp_path / "prep")
     common = dict(verifier=str(t.path), data=str(prep), batch_tokens=256, dtype="bf16", shard_tokens=300)
@@ -78,7 +78,7 @@ def compare(a: dict, b: dict) -> None:
 def train_both(t: tiny.Tiny, tmp_path: Path, device: str, device_map) -> tuple[list, list]:
     """Four optimizer steps of --online training with the verifier on ``device``, then spread by
     ``device_map``, the draft on ``device`` both times; the metrics of each run."""
-    from eyas.train import train
+    from eyas.stages.train import train
 
     prep = prepared(t, tmp_path / "prep", n=40)
     kw = dict(verifier=str(t.path), data=str(prep), online=True, epochs=1, max_steps=4, val_ratio=0.0,
@@ -111,7 +111,7 @@ def test_online_training_with_a_mapped_int4_verifier_on_cpu(kimi_int4, tmp_path)
 
 
 def test_device_map_needs_online_and_one_process(make_tiny, tmp_path):
-    from eyas.train import train
+    from eyas.stages.train import train
 
     t = make_tiny("llama")
     with pytest.raises(EyasError, match="--device-map .* needs --online"):
@@ -132,7 +132,7 @@ def test_int4_verifier_split_between_gpu_and_host_memory(kimi_int4):
     """A max_memory smaller than the packed verifier puts some layers in host memory; the backbone's states
     (as --online computes them, on GPU 0) equal the verifier wholly on the GPU within bf16 rounding, and the
     layers left in host memory are still packed."""
-    from eyas.packed import PackedLinear
+    from eyas.verifier.packed import PackedLinear
 
     info = resolve(kimi_int4.path)
     whole = build_text_model(info, dtype=torch.bfloat16, device="cuda:0")

@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from eyas.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eyas.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 
 H, V, N = 256, 1024, 512
 # every draft variant that combines: EAGLE-3.1's norms, a Qwen3-style layer, two layers
@@ -77,7 +77,7 @@ def test_flex_equals_sdpa_forward_and_grad(T, layout):
 
 
 def test_compiled_draft_equals_eager():
-    from eyas.trainer import compile_draft
+    from eyas.training.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     eager = _run(_draft("flex"), ids, aux, doc, steps=3)
@@ -93,7 +93,7 @@ def test_compiled_draft_equals_eager():
 def test_gradient_checkpointing_compiled_flex_equals_stored():
     """Recomputing each TTT step in backward, with the compiled layer and compiled flex attention, gives the
     stored-activation run's outputs and gradients."""
-    from eyas.trainer import compile_draft
+    from eyas.training.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     ref = _run(_draft("flex"), ids, aux, doc, steps=3)
@@ -116,8 +116,8 @@ def test_working_weights_compiled_equal_autocast(mode, layout):
     deferred: each layer weight's gradient summed over the TTT steps by its matmuls (--deferred-wgrad)."""
     import copy
 
-    from eyas.precision import begin_deferred_wgrad, use_working_weights
-    from eyas.trainer import compile_draft
+    from eyas.training.precision import begin_deferred_wgrad, use_working_weights
+    from eyas.training.trainer import compile_draft
 
     ids, aux, doc = _inputs(2, 256)
     doc = doc.clamp(min=0)  # no padding queries: flex and the fp64 SDPA reference treat those differently
@@ -145,7 +145,7 @@ def test_working_weights_compiled_equal_autocast(mode, layout):
 
 
 def test_fused_loss_bf16_matches_fp64_reference():
-    from eyas.loss import Targets, ttt_loss
+    from eyas.training.loss import Targets, ttt_loss
 
     torch.manual_seed(3)
     S, M, Hd, Nv = 3, 3000, 512, 4096
@@ -175,8 +175,8 @@ def test_compiled_training_run_end_to_end(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import synthetic
 
-    from eyas.checkpoint import load_draft
-    from eyas.train import train
+    from eyas.draft.checkpoint import load_draft
+    from eyas.stages.train import train
 
     inp = synthetic.inputs(tmp_path, "smoke", rows=24, seq_len=256)
     out = tmp_path / "run"
@@ -200,7 +200,7 @@ def test_loader_embeddings_keep_the_table_off_the_device(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import synthetic
 
-    from eyas.train import train
+    from eyas.stages.train import train
 
     # a wide vocab on a narrow model, so the table (8 MiB in bf16) outweighs everything that differs between the
     # two runs (the looked-up rows travel with each batch: about 70 kB)
@@ -227,8 +227,8 @@ def test_fused_adamw_kernel_equals_torch_fused_adamw():
     identical copy: five steps with weight decay on one group, the clip as grad_scale, a moving lr."""
     import copy
 
-    from eyas.precision import FusedAdamW, WorkingLinear, use_working_weights
-    from eyas.optim import build_optimizers, clip_gradients
+    from eyas.training.precision import FusedAdamW, WorkingLinear, use_working_weights
+    from eyas.training.optim import build_optimizers, clip_gradients
 
     ours = _draft("flex")
     use_working_weights(ours, torch.bfloat16, skip=(ours.lm_head,), cast_per_call=(ours.fc,))
@@ -265,9 +265,9 @@ def test_fused_adamw_kernel_equals_torch_fused_adamw():
 
 
 def test_fused_loss_on_scored_rows_equals_all_rows_compiled():
-    """The compiled bf16 loss on the positions some TTT step scores (eyas.loss.scored_rows) against the same loss
+    """The compiled bf16 loss on the positions some TTT step scores (eyas.training.loss.scored_rows) against the same loss
     on every position: the same loss, statistics and gradients within bf16 rounding."""
-    from eyas.loss import Targets, scored_rows, step_masks, ttt_loss
+    from eyas.training.loss import Targets, scored_rows, step_masks, ttt_loss
 
     S, B, T, Hd, Nv, chunk = 3, 2, 1024, 256, 4096, 256
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -15,11 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.evaluate import random_draft  # noqa: E402
-from eyas.measure import Runners  # noqa: E402
-from eyas.speculative import plain_generate, speculative_generate  # noqa: E402
-from eyas.generate import Request, decode_all  # noqa: E402
-from eyas.verifier import build_text_model, resolve  # noqa: E402
+from eyas.stages.evaluate import random_draft  # noqa: E402
+from eyas.evaluation.measure import Runners  # noqa: E402
+from eyas.engine.speculative import plain_generate, speculative_generate  # noqa: E402
+from eyas.engine.generate import Request, decode_all  # noqa: E402
+from eyas.verifier.load import build_text_model, resolve  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

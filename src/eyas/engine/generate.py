@@ -1,0 +1,400 @@
+"""The generation engine: the verifier decodes, for `eyas regenerate` (many requests at once) and `eyas eval`
+(one sequence at a time, speculatively, with rollback), through transformers' own model classes.
+
+What eyas adds is only the attention and its key/value storage (:mod:`eyas.engine.slots`): an attention function
+registered through transformers' ``AttentionInterface`` reads and writes per-sequence *slots*, so a finished
+answer's slot takes the next request at once (continuous batching), and rolling a sequence back is moving its
+position.
+
+Why not transformers' generation as is (measured on one H200 with SmolLM2, docs/BENCHMARKS.md): ``generate``
+with a static cache holds a batch until its longest answer ends and cannot take a new prompt mid-batch; its
+continuous batching (``generate_batch``) packs the requests of a step into one attention over all of their keys
+(``paged|sdpa``: a 4-D mask that grows with the square of the batch) unless the flash-attention kernels are
+installed, and they are fetched from the hub, which the GPU machine cannot reach.
+
+Memory is fixed by the settings, not by the data: the key/value buffers are allocated once (``batch_tokens``
+positions in all), a prefill packs at most ``prefill_tokens`` tokens, and a prompt that does not fit a slot is
+answered as too long instead of growing anything. On CUDA every fixed-shape decoding forward is recorded once
+as a CUDA graph (per key length bucket) and replayed (:mod:`eyas.engine.graphs`), so the host does not dispatch
+hundreds of kernels a token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eyas.core.errors import EyasError
+from eyas.engine.graphs import Graphs
+from eyas.engine.slots import Slots, key_bucket, layer_shapes, slot_attention
+
+# bench/ scripts import these names from this module
+from eyas.data.chat import encode_prompt, end_of_turn_ids  # noqa: F401, E402
+
+
+# --------------------------------------------------------------------------- one sequence (eval)
+
+
+class SequenceDecoder:
+    """The verifier over one sequence with a cache that rolls back: ``forward(ids, start)`` feeds tokens at
+    positions ``start..`` (after rolling back to ``start``) and returns their logits; ``aux_layer_ids`` also
+    returns the hidden states entering those layers (what an EAGLE-3 draft reads), captured as they pass.
+
+    This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
+    plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
+    ``compile``); a prompt of any length runs eagerly.
+    """
+
+    def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
+                 graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
+                 compile: bool = True) -> None:  # fmt: skip
+        from eyas.verifier.load import HiddenStateCapture
+
+        self.model = model
+        p = next(model.parameters())
+        self.device = p.device
+        self.slots = Slots(slots=1, capacity=capacity, layers=layer_shapes(model), dtype=p.dtype, device=p.device)
+        self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
+        if self.capture is not None:
+            self.capture.remove()  # attached only during this decoder's forwards
+        self.graph_lengths = set(graph_lengths)
+        self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None)
+        self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length
+        self._pos: dict[int, torch.Tensor] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: int):
+        """ids, pos ``[1, T]`` -> logits ``[T', V]`` (``keep`` last, 0 = all), aux ``[T, 3H]`` or None."""
+        self.slots.begin()
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+        aux = self.capture.aux()[0] if self.capture is not None else None
+        return out.logits[0], aux
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, start: int, *, last_only: bool = False):
+        """``input_ids [T]`` at positions ``start..start+T-1`` -> (logits ``[T or 1, V]`` float32, aux
+        ``[T, 3H]`` or None). Positions ``>= start`` from earlier calls are forgotten (rolled back)."""
+        from eyas.verifier.load import varying_shape_attention
+
+        T = input_ids.shape[0]
+        if start + T > self.capacity:
+            raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.capacity}")
+        slots = self.slots
+        slots.start.fill_(start)
+        slots.keys = key_bucket(start + T, self.capacity)
+        with slot_attention(self.model, slots), varying_shape_attention(self.device), \
+                contextlib.ExitStack() as stack:  # fmt: skip
+            if self.capture is not None:
+                stack.enter_context(self.capture)
+            if T in self.graph_lengths and not last_only and self.graphs.enabled:
+                if T not in self._ids:
+                    self._ids[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
+                    self._pos[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
+                self._ids[T].copy_(input_ids[None])
+                self._pos[T].copy_(torch.arange(start, start + T, device=self.device)[None])
+                logits, aux = self.graphs.run((T, slots.keys), lambda: self._forward(self._ids[T], self._pos[T], 0))
+                # graph outputs live in its pool and the next replay overwrites them: copy what the caller keeps
+                return logits.float(), None if aux is None else aux.clone()
+            pos = torch.arange(start, start + T, device=self.device)[None]
+            logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
+            return logits.float(), aux
+
+
+# --------------------------------------------------------------------------- many requests (regenerate)
+
+
+@dataclass(order=True)
+class Request:
+    """A prompt to answer: ``tokens`` (ids, chat template applied), at most ``max_new_tokens`` new ones.
+    ``key`` is the caller's, returned with the answer; ``seed`` makes sampling of this request independent of
+    which others share its batch."""
+
+    sort: int = field(init=False, repr=False)
+    key: Any = field(compare=False)
+    tokens: list[int] = field(compare=False)
+    max_new_tokens: int = field(compare=False)
+    seed: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("a request needs at least one prompt token")
+        self.sort = len(self.tokens)
+
+
+@dataclass
+class Completion:
+    """An answered request: the new ``tokens`` (the end-of-turn id last when ``finished``); ``finished`` says
+    the verifier ended it itself, else it was cut at ``max_new_tokens`` or at the slot capacity; ``too_long``:
+    the prompt did not fit a slot and nothing was generated."""
+
+    key: Any
+    tokens: list[int]
+    finished: bool
+    too_long: bool = False
+
+
+class RequestQueue:
+    """Requests waiting for a slot, shortest prompt first (similar lengths decode together, so the key length a
+    step attends to stays close to what its sequences need); requests may be added while the engine runs."""
+
+    def __init__(self, requests: Iterable[Request] = ()) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+        self._n = itertools.count()
+        for r in requests:
+            self.push(r)
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.sort, next(self._n), request))
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+def _uniform(seed: torch.Tensor, position: torch.Tensor, n: int) -> torch.Tensor:
+    """``[S, n]`` uniforms in (0, 1) from a counter-based hash of (request seed, position, token id): the same
+    numbers whichever other requests share the batch, so seeded sampling does not depend on scheduling."""
+    M = 0xFFFFFFFF
+
+    def mix(x):  # a 32-bit integer hash (low 32 bits kept in int64; products wrap, their low bits stay right)
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & M
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & M
+        return x ^ (x >> 16)
+
+    row = mix(mix(seed & M) ^ (position & M))  # [S]
+    x = mix((row[:, None] * 0x9E3779B1 + torch.arange(n, device=seed.device)[None]) & M)  # [S, n]
+    return (x.to(torch.float64) + 0.5) / 4294967296.0
+
+
+def pick_tokens(logits: torch.Tensor, *, temperature: float, seed: torch.Tensor | None = None,
+                position: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The next token of each row of ``logits [S, V]``: argmax at ``T = 0``; otherwise a sample of
+    ``softmax(logits / T)`` by the Gumbel-max trick (argmax of ``logits / T - log(-log(u))``), ``u`` from
+    :func:`_uniform` of each row's seed and position."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = _uniform(seed, position, logits.shape[-1])
+    return (logits.float() / temperature - torch.log(-torch.log(u)).float()).argmax(-1)
+
+
+class BatchDecoder:
+    """Continuous batching over slots: up to ``num_slots`` sequences decode together, one token each per
+    step; a finished answer's slot takes the next waiting request (shortest prompt first) at once.
+
+    Memory is fixed by ``batch_tokens`` (key/value positions in all: ``num_slots = batch_tokens // max_len``
+    slots of ``max_len`` positions each) and ``prefill_tokens`` (new prompts are prefilled together,
+    right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
+    steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
+    slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
+    """
+
+    def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
+                 prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
+                 cuda_graphs: bool = True, compile: bool = True) -> None:  # fmt: skip
+        if batch_tokens < max_len:
+            raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
+                            f"at least {max_len}")  # fmt: skip
+        self.model = model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.eos_ids, self.temperature, self.pad_id = set(eos_ids), temperature, pad_id
+        self.max_len = max_len
+        self.num_slots = batch_tokens // max_len
+        self.prefill_tokens = max(prefill_tokens or 4 * max_len, max_len)
+        self.sync_every = max(1, sync_every)
+        self.slots = Slots(slots=self.num_slots, capacity=max_len, layers=layer_shapes(model), dtype=p.dtype,
+                           device=p.device)  # fmt: skip
+        S, dev = self.num_slots, self.device
+        self.tok = torch.full((S, 1), pad_id, dtype=torch.long, device=dev)  # the token each row feeds next
+        self.pos = torch.zeros(S, 1, dtype=torch.long, device=dev)  # its position
+        self.seed = torch.zeros(S, dtype=torch.long, device=dev)
+        self.slots.start = self.pos[:, 0]  # a view: the rows' positions as the step graphs read them
+        self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None)
+        self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0}
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of key/value buffers held (fixed for the decoder's life)."""
+        return sum(t.numel() * t.element_size() for t in self.slots.k + self.slots.v)
+
+    # ------------------------------------------------------------------ forwards
+
+    def _step(self) -> torch.Tensor:
+        """One decoding step of every row (idempotent: the state moves outside): the next token ``[S]``."""
+        self.slots.begin()
+        logits = self.model(input_ids=self.tok, position_ids=self.pos, use_cache=False).logits[:, -1]  # [S, V]
+        return pick_tokens(logits, temperature=self.temperature, seed=self.seed, position=self.pos[:, 0] + 1)
+
+    def _prefill(self, batch: list[tuple[int, Request]]) -> list[int]:
+        """Prompts into their slots (right-padded to one length, packed into one row) -> each one's first new
+        token."""
+        B = len(batch)
+        Tp = max(len(r.tokens) for _, r in batch)
+        ids = torch.full((B, Tp), self.pad_id, dtype=torch.long)
+        for b, (_, r) in enumerate(batch):
+            ids[b, : len(r.tokens)] = torch.tensor(r.tokens)
+        ends = torch.tensor([b * Tp + len(r.tokens) - 1 for b, (_, r) in enumerate(batch)], device=self.device)
+        pos = torch.arange(Tp).repeat(B)[None]  # [1, B*Tp]: each prompt from position 0
+        targets = torch.tensor([s for s, _ in batch], device=self.device)
+        slots = self.slots
+        slots.layout, slots.targets, slots.prompt_len = "packed", targets, Tp
+        slots.begin()
+        try:
+            logits = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=pos.to(self.device),
+                                use_cache=False, logits_to_keep=ends).logits[0]  # fmt: skip  # [B, V]
+        finally:
+            slots.layout, slots.targets = "rows", None
+        lengths = torch.tensor([len(r.tokens) for _, r in batch], device=self.device)
+        seeds = torch.tensor([r.seed for _, r in batch], device=self.device)
+        first = pick_tokens(logits, temperature=self.temperature, seed=seeds, position=lengths)
+        self.tok[targets, 0] = first
+        self.pos[targets, 0] = lengths
+        self.seed[targets] = seeds
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += B * Tp
+        return first.tolist()
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.no_grad()
+    def run(self, queue: RequestQueue) -> Iterator[Completion]:
+        """Answer every request of ``queue``, yielding each as it completes (in completion order). The caller
+        may push more requests between completions (a conversation's next turn); the loop ends when the queue
+        is empty and every slot is free."""
+        import numpy as np
+
+        from eyas.verifier.load import varying_shape_attention
+
+        S, N = self.num_slots, self.sync_every
+        active: list[Request | None] = [None] * S
+        made: list[list[int]] = [[] for _ in range(S)]
+        at = np.zeros(S, dtype=np.int64)  # the position of each active row's next fed token (host copy of self.pos)
+        room = np.zeros(S, dtype=np.int64)  # new tokens each active row may still take
+        eos = np.array(sorted(self.eos_ids), dtype=np.int64)
+        block = torch.empty(N, S, dtype=torch.long, device=self.device)
+        # prefills see a new shape every time: flash / memory-efficient attention, no per-shape cuDNN plans
+        with slot_attention(self.model, self.slots), varying_shape_attention(self.device):
+            while True:
+                free = [s for s in range(S) if active[s] is None]
+                # refill: at once when idle, else once a sixteenth of the slots is free (a prefill is one eager
+                # forward; batching them keeps its cost per prompt low)
+                if queue and free and (len(free) == S or len(free) >= max(1, S // 16) or len(queue) < len(free)):
+                    yield from self._admit(queue, free, active, made, at, room)
+                busy = np.array([s for s in range(S) if active[s] is not None], dtype=np.int64)
+                if not len(busy):
+                    if not queue:
+                        return
+                    continue
+                self.slots.keys = key_bucket(int(at[busy].max()) + N + 1, self.max_len)
+                for i in range(N):
+                    nxt = self.graphs.run(("step", self.slots.keys), self._step)
+                    block[i] = nxt
+                    self.tok[:, 0] = nxt
+                    self.pos.add_(1).clamp_(max=self.max_len - 1)
+                self.stats["steps"] += N
+                self.stats["slot_steps_used"] += N * len(busy)
+                host = block[:, busy].cpu().numpy()  # [N, busy]: the block's one device->host sync
+                at[busy] += N
+                # per row: tokens up to its first end-of-turn id or its remaining room, whichever comes first
+                hit = np.isin(host, eos)
+                first_eos = np.where(hit.any(0), hit.argmax(0) + 1, N + 1)  # 1-based; N + 1: none
+                take = np.minimum(np.minimum(first_eos, room[busy]), N)
+                ends = (first_eos <= take) | (take >= room[busy])
+                done = []
+                for j, s in enumerate(busy.tolist()):
+                    made[s].extend(host[: take[j], j].tolist())
+                    room[s] -= take[j]
+                    if ends[j]:
+                        done.append(s)
+                for s in done:
+                    r, toks = active[s], made[s]
+                    active[s], made[s] = None, []
+                    yield Completion(r.key, toks, finished=toks[-1] in self.eos_ids)
+                if done:  # a free row keeps decoding padding from position 0 until it is refilled
+                    idx = torch.tensor(done, device=self.device)
+                    self.pos[idx] = 0
+                    self.tok[idx] = self.pad_id
+
+    def _limit(self, r: Request) -> int:
+        return min(r.max_new_tokens, self.max_len - len(r.tokens))
+
+    def _admit(self, queue: RequestQueue, free: list[int], active, made, at, room) -> Iterator[Completion]:
+        """Prefill waiting requests into free slots (as many as fit ``prefill_tokens`` per forward)."""
+        while queue and free:
+            batch: list[tuple[int, Request]] = []
+            while queue and free:
+                r = queue.peek()
+                if len(r.tokens) + 1 > self.max_len:
+                    queue.pop()
+                    yield Completion(r.key, [], finished=False, too_long=True)
+                    continue
+                width = max([len(r.tokens)] + [len(x.tokens) for _, x in batch])
+                if batch and width * (len(batch) + 1) > self.prefill_tokens:
+                    break
+                batch.append((free.pop(0), queue.pop()))
+            if not batch:
+                continue
+            firsts = self._prefill(batch)
+            for (s, r), t in zip(batch, firsts):
+                if t in self.eos_ids or self._limit(r) <= 1:
+                    self.pos[s] = 0
+                    self.tok[s] = self.pad_id
+                    free.append(s)
+                    yield Completion(r.key, [t], finished=t in self.eos_ids)
+                    continue
+                active[s], made[s], at[s], room[s] = r, [t], len(r.tokens), self._limit(r) - 1
+
+
+def default_batch_tokens(model, *, max_len: int, fraction: float = 0.4, cpu_tokens: int = 16384) -> int:
+    """A token budget for :class:`BatchDecoder`: on CUDA, the key/value positions ``fraction`` of the free GPU
+    memory holds; on CPU ``cpu_tokens``; never below one sequence of ``max_len``."""
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return max(cpu_tokens, max_len)
+    free, _ = torch.cuda.mem_get_info(p.device)
+    per_token = Slots.bytes_per_token(layer_shapes(model), p.dtype)
+    return max(int(free * fraction) // per_token, max_len)
+
+
+def decode_all(model, requests: Iterable[Request], **kwargs: Any) -> list[Completion]:
+    """Answer ``requests`` with a :class:`BatchDecoder` (``kwargs`` are its settings); completions in request
+    order."""
+    requests = list(requests)
+    order = {id(r): i for i, r in enumerate(requests)}
+    keyed = [Request(key=id(r), tokens=r.tokens, max_new_tokens=r.max_new_tokens, seed=r.seed) for r in requests]
+    out: list[Completion | None] = [None] * len(requests)
+    for c in BatchDecoder(model, **kwargs).run(RequestQueue(keyed)):
+        i = order[c.key]
+        out[i] = Completion(requests[i].key, c.tokens, c.finished, c.too_long)
+    return out  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+
+
+def device_and_dtype(device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` (default: cuda when there is one) and ``--dtype`` (auto: bf16 on a GPU, fp32 on CPU)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise EyasError(f"--dtype must be auto, fp32, bf16 or fp16, got {dtype!r}")
+    return dev, _DTYPES[dtype]

@@ -1,0 +1,220 @@
+"""Per-sequence key/value *slots* and the attention that reads and writes them, plugged into transformers'
+models through its ``AttentionInterface`` (the documented way to plug one in; the model, its weights, RoPE,
+norms, MoE and head stay transformers').
+
+A slot is one row of ``[slots, kv_heads, capacity, head_dim]`` buffers per decoder layer. Each sequence keeps
+its own position, so a finished answer's slot takes the next request at once (continuous batching), and rolling
+a sequence back is moving its position. The decoders of :mod:`eyas.engine.generate` drive them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from eyas.core.errors import EyasError
+
+#: The name the slot attention is registered under in transformers' AttentionInterface.
+ATTENTION = "eyas_slots"
+
+#: The key lengths decoding graphs are recorded for: a step attends to the smallest one that covers every
+#: sequence (steps of about 1.5x keep the number of graphs small and the wasted keys under a third).
+KEY_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def key_bucket(n: int, capacity: int) -> int:
+    """The smallest key length of :data:`KEY_BUCKETS` (or a multiple of the largest) covering ``n``, at most
+    ``capacity``."""
+    for b in KEY_BUCKETS:
+        if b >= n:
+            return min(b, capacity)
+    top = KEY_BUCKETS[-1]
+    return min(-(-n // top) * top, capacity)
+
+
+# --------------------------------------------------------------------------- key/value slots and the attention
+
+
+class Slots:
+    """Key/value buffers for ``slots`` sequences of at most ``capacity`` positions, one pair per layer, plus
+    what the next forward needs to know: where each row's new tokens go.
+
+    A forward runs in one of two layouts:
+
+    - ``rows``: input ``[S, T]``, row ``s`` feeding ``T`` new tokens at positions ``start[s] .. start[s]+T-1``
+      into slot ``s``; each query sees its slot's keys up to its own position (decoding, verification, and a
+      single sequence's prompt);
+    - ``packed``: input ``[1, B * Tp]``, ``B`` prompts right-padded to ``Tp`` tokens, prompt ``b`` filling slot
+      ``targets[b]`` from position 0 (prefill of new requests; causal within each prompt).
+    """
+
+    def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int, torch.device]],
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        self.num_slots, self.capacity = slots, capacity
+        # layers[i] = (kv_heads, key_dim, value_dim, device) of decoder layer i: a layer's slots live where it
+        # runs (a device map spreads layers over GPUs)
+        self.k = [torch.zeros(slots, h, capacity, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
+        self.v = [torch.zeros(slots, h, capacity, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
+        self.rows = torch.arange(slots, device=device)
+        self.layout = "rows"
+        self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
+        self.keys = capacity  # rows layout: key length attended (a bucket >= every query's position + 1)
+        self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
+        self.prompt_len = 0  # packed layout: Tp
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    @staticmethod
+    def bytes_per_token(layers: list[tuple[int, int, int, torch.device]], dtype: torch.dtype) -> int:
+        """Key and value bytes one position of one sequence holds over all layers."""
+        return sum(h * (dk + dv) for h, dk, dv, _ in layers) * torch.finfo(dtype).bits // 8
+
+    def begin(self) -> None:
+        """Before each forward: masks (and index tensors other devices need) are built once per forward, on
+        first use."""
+        self._masks, self._moved = {}, {}
+
+    def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device``, copied there at most once per forward (the layers of a device map)."""
+        if t.device == device:
+            return t
+        key = (id(t), device)
+        if key not in self._moved:
+            self._moved[key] = t.to(device)
+        return self._moved[key]
+
+    def _mask(self, T: int, window: int | None) -> torch.Tensor:
+        """rows layout: ``[S, 1, T, keys]`` bool, key ``j`` visible to new token ``t`` of row ``s`` when
+        ``j <= start[s] + t`` (and, with a sliding window ``W``, ``j > start[s] + t - W``, transformers'
+        ``sliding_window_overlay``)."""
+        if window not in self._masks:
+            j = torch.arange(self.keys, device=self.start.device)
+            q = self.start[:, None] + torch.arange(T, device=self.start.device)  # [S, T]
+            m = j[None, None, :] <= q[:, :, None]  # [S, T, keys]
+            if window is not None:
+                m = m & (j[None, None, :] > q[:, :, None] - window)
+            self._masks[window] = m[:, None]
+        return self._masks[window]
+
+
+#: The slots the registered attention reads and writes during a forward (set by :func:`slot_attention`).
+_ACTIVE: Slots | None = None
+
+
+def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+               softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' attention-function interface: ``query [B, H, T, dk]`` and ``key [B, kvh, T, dk]``,
+    ``value [B, kvh, T, dv]`` (RoPE applied) of the new tokens -> ``[B, T, H, dv]``. Writes the new keys and
+    values into their slots and attends to the slot's keys (see :class:`Slots`)."""
+    slots = _ACTIVE
+    if slots is None:
+        raise EyasError("internal: the eyas slot attention ran outside eyas.engine.slots.slot_attention")
+    if kwargs.get("s_aux") is not None:  # attention sinks (gpt-oss): another softmax
+        raise EyasError("the eyas generation engine does not support attention sinks (s_aux)")
+    layer = module.layer_idx
+    K, V = slots.k[layer], slots.v[layer]
+    H, kvh = query.shape[1], key.shape[1]
+    G = H // kvh
+    if slots.layout == "packed":
+        B, Tp = slots.targets.shape[0], slots.prompt_len
+        q = query[0].reshape(H, B, Tp, -1).transpose(0, 1)  # [B, H, Tp, dk]
+        k = key[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dk]
+        v = value[0].reshape(kvh, B, Tp, -1).transpose(0, 1)  # [B, kvh, Tp, dv]
+        targets = slots.on(slots.targets, K.device)
+        K[targets, :, :Tp] = k.to(K.dtype)
+        V[targets, :, :Tp] = v.to(V.dtype)
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, H, Tp, d]
+        mask = None
+        if sliding_window is not None:
+            i = torch.arange(Tp, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)  # [Tp, Tp]
+        out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
+        return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
+    S, _, T, _ = query.shape
+    start, rows = slots.on(slots.start, K.device), slots.on(slots.rows, K.device)
+    pos = (start[:, None] + torch.arange(T, device=K.device)).clamp(max=slots.capacity - 1)  # [S, T]
+    K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
+    V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
+    n = slots.keys
+    mask = slots.on(slots._mask(T, sliding_window), K.device)  # [S, 1, T, n]
+    # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
+    # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
+    q = query.reshape(S, kvh, G * T, -1)
+    if T > 1:
+        mask = mask[:, :, None].expand(S, 1, G, T, n).reshape(S, 1, G * T, n)
+    out = _sdpa(q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling,
+                softcap=softcap)  # [S, kvh, G*T, dv]
+    return out.reshape(S, H, T, -1).transpose(1, 2), None
+
+
+def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """Scaled dot-product attention; with ``softcap`` (Gemma-2's ``attn_logit_softcapping``: ``c * tanh(s /
+    c)`` on the scores before the softmax, which SDPA cannot do) written out."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    s = softcap * torch.tanh(s / softcap)
+    if causal:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), -1).to(v.dtype) @ v
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    # never traced by torch.compile: its Python reads the slots' current layout and key length
+    AttentionInterface.register(ATTENTION, torch.compiler.disable(_attention))
+
+
+@contextlib.contextmanager
+def slot_attention(model, slots: Slots) -> Iterator[None]:
+    """Run ``model``'s attention through ``slots`` inside the block (transformers' ``set_attn_implementation``;
+    the model's own implementation comes back after)."""
+    global _ACTIVE
+    _register()
+    before = model.config._attn_implementation
+    if not model._can_set_attn_implementation():
+        raise EyasError(f"{type(model).__name__} does not run its attention through transformers' "
+                        "AttentionInterface; the eyas generation engine cannot drive it")  # fmt: skip
+    model.set_attn_implementation(ATTENTION)
+    _ACTIVE = slots
+    try:
+        yield
+    finally:
+        _ACTIVE = None
+        model.set_attn_implementation(before)
+
+
+def layer_shapes(model) -> list[tuple[int, int, int, torch.device]]:
+    """``(kv_heads, key_dim, value_dim, device)`` per decoder layer, read off one forward of one token (so every
+    attention variant transformers implements, MLA's wider keys included, is sized by what it really stores,
+    and placed where a device map runs the layer)."""
+    seen: dict[int, tuple[int, int, int, torch.device]] = {}
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1], key.device)
+        B, H, T, _ = query.shape
+        return query.new_zeros(B, T, H, value.shape[-1]), None
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("eyas_probe", probe)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eyas_probe")
+    try:
+        dev = next(model.parameters()).device
+        with torch.no_grad():
+            model.base_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=False)
+    finally:
+        model.set_attn_implementation(before)
+    if sorted(seen) != list(range(len(seen))):
+        raise EyasError(f"internal: attention layers {sorted(seen)} are not numbered 0..n-1")
+    return [seen[i] for i in range(len(seen))]

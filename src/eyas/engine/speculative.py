@@ -1,0 +1,314 @@
+"""Speculative decoding of one prompt on the verifier, and plain decoding as its baseline and reference.
+
+The draft proposes a chain of ``K`` tokens, the verifier checks them in one
+forward pass per round, and both KV caches roll back on rejection. The loop
+follows vLLM's EAGLE proposer (``v1/spec_decode/llm_base_proposer.py``; notes
+§2.5) so what is measured here is what vLLM will serve:
+
+- After a verifier forward over the accepted tokens, the draft's input at each
+  new position ``t`` is the token ``x_{t+1}`` with the verifier's aux state at
+  ``t`` (fused by ``fc``), at the verifier's position ``t``.
+- Drafting step ``j`` feeds the previous draft token with the previous step's
+  ``next_hidden`` (the second return of :meth:`Eagle3Draft.step`, the very
+  function training-time test runs) at position ``+1``.
+- After verification the draft cache keeps only positions whose state came
+  from the verifier: drafted entries are truncated and the accepted positions
+  are recomputed from the verifier's hidden states (DESIGN "Inference caches").
+  The verifier's cache rolls back to the accepted prefix (the next round feeds
+  from there: :class:`eyas.engine.generate.SequenceDecoder`).
+
+Acceptance is greedy at ``T = 0`` (accept while the draft token is the
+verifier's argmax, then emit the verifier's token) and standard speculative
+sampling at ``T > 0`` (Leviathan et al. 2023, Chen et al. 2023: accept with
+``min(1, p/q)``, resample from ``norm(max(0, p - q))``, bonus from ``p``), both
+lossless: greedy outputs equal plain greedy decoding token for token, sampled
+outputs follow the verifier's distribution.
+
+Both loops decode one prompt at a time through :class:`eyas.engine.generate.SequenceDecoder` (slot cache, CUDA
+graphs); :func:`acceptance_stats` turns the rounds' accepted counts into tau and per-position acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eyas.core.errors import EyasError
+from eyas.engine.generate import SequenceDecoder
+from eyas.draft.model import Eagle3Draft
+
+
+# --------------------------------------------------------------------------- acceptance
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification. ``target_logits [B, K+1, V]`` at the last emitted token and the ``K`` drafts,
+    ``draft_tokens [B, K]``. Returns ``(accepted [B], next_token [B])``: the number of leading draft tokens
+    equal to the verifier's argmax, and the verifier's token after them (its correction at the first
+    mismatch, or the bonus token after ``K`` accepts)."""
+    greedy = target_logits.argmax(-1)  # [B, K+1]
+    K = draft_tokens.shape[1]
+    accepted = (draft_tokens == greedy[:, :K]).long().cumprod(-1).sum(-1)  # [B]
+    return accepted, greedy.gather(1, accepted[:, None])[:, 0]
+
+
+def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor, *,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Speculative sampling (Leviathan et al. 2023, alg. 1; Chen et al. 2023, alg. 2).
+
+    ``target_probs [B, K+1, V]`` (the verifier's ``p`` at the last emitted token and each draft),
+    ``draft_probs [B, K, V]`` (``q``, the distribution each draft token was sampled from, over the target
+    vocab: zero outside the draft vocab), ``draft_tokens [B, K]``. Draft ``j`` is accepted with probability
+    ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the next token is drawn from
+    ``norm(max(0, p_j - q_j))``, after ``K`` accepts from ``p_K``. The output then follows ``p`` exactly.
+    Returns ``(accepted [B], next_token [B])``.
+    """
+    B, K = draft_tokens.shape
+    idx = draft_tokens[..., None]
+    p_d = target_probs[:, :K].gather(-1, idx)[..., 0]  # [B, K]
+    q_d = draft_probs.gather(-1, idx)[..., 0]  # [B, K]
+    u = torch.rand(B, K, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
+    accepted = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # u < p/q without dividing by q
+    q_ext = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]: q_K = 0
+    rows = torch.arange(B, device=accepted.device)
+    residual = (target_probs[rows, accepted] - q_ext[rows, accepted]).clamp_min(0)  # [B, V]
+    mass = residual.sum(-1, keepdim=True)
+    # p == q at the rejected position (possible only by rounding) leaves no residual mass: fall back to p.
+    dist = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), target_probs[rows, accepted])
+    return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
+
+
+# --------------------------------------------------------------------------- the draft with its cache
+
+
+class DraftRunner:
+    """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
+
+    Its fixed shapes (catching up 1..K+1 positions after a round, one drafting step) are CUDA graphs on CUDA
+    (:class:`eyas.engine.graphs.Graphs`); a prompt's catch-up of any length runs eagerly.
+    """
+
+    def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True) -> None:
+        from eyas.engine.graphs import Graphs
+
+        self.draft = draft
+        p = draft.fc.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.to_target = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=self.device))
+        self.cache = None
+        self.max_len = 0
+        self.graphs = Graphs(self.device, enabled=cuda_graphs)
+        self.graph_max_tokens = graph_max_tokens
+        self._static: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+
+    def reset(self, max_len: int) -> None:
+        if self.cache is not None and max_len <= self.max_len:
+            self.cache.truncate(0)
+            return
+        self.max_len = max(max_len, 2 * self.max_len)
+        self.cache = self.draft.new_cache(batch_size=1, max_len=self.max_len)
+        self.graphs.graphs.clear()  # recorded against the old cache's buffers
+
+    def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        normed, next_hidden = self.draft.step(input_ids, hidden, position_ids, self.cache)
+        return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
+
+    def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
+        (the next replay overwrites them)."""
+        key = (kind, tuple(inputs[0].shape))
+        if key not in self._static:
+            self._static[key] = tuple(x.clone() for x in inputs)
+        static = self._static[key]
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        logits, hidden = self.graphs.run(key, lambda: fn(*static))
+        return logits.clone(), hidden.clone()
+
+    @torch.no_grad()
+    def catch_up(self, next_ids: torch.Tensor, aux: torch.Tensor, start: int):
+        """Positions ``start..start+T-1`` from the verifier: tokens ``next_ids [T]`` (each position's next
+        token) with the verifier's aux states ``aux [T, 3H]``. Returns the draft logits ``[N]`` at the last
+        position and its ``next_hidden [1, 1, H]``."""
+        T = next_ids.shape[0]
+        pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
+        aux = aux[None].to(self.dtype)  # [1, T, 3H]
+
+        def run(ids, aux, pos):
+            return self._run(ids, self.draft.fuse(aux), pos)
+
+        if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
+            return self._graphed("catch_up", (next_ids[None], aux, pos), run)
+        return run(next_ids[None], aux, pos)  # a prompt's length varies: eager
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int):
+        """One drafting step: the previous draft ``token [1]`` and ``next_hidden`` at ``position``."""
+        pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
+        if self.graphs.enabled:
+            return self._graphed("step", (token[None], hidden.reshape(1, 1, -1), pos), self._run)
+        return self._run(token[None], hidden.reshape(1, 1, -1), pos)
+
+
+# --------------------------------------------------------------------------- decoding loops
+
+
+@dataclass
+class Generation:
+    """One decoded turn: the new tokens (cut after an end-of-turn token or at ``max_new_tokens``) and, for
+    speculative decoding, per round the draft tokens accepted, the tokens it added to the output (``accepted +
+    1`` but in a turn's last round, whose tokens past the end of turn or ``max_new_tokens`` are dropped: only
+    what is kept counts) and the tokens proposed."""
+
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
+    proposals: list[list[int]] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut ``tokens`` after the first end-of-turn token or at ``max_new_tokens``; say whether decoding is done."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """The verifier's next token from ``logits [V]``: argmax at ``T = 0``, else a sample of ``softmax(l / T)``."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+
+
+def _check_room(verifier: SequenceDecoder, n: int) -> None:
+    if n > verifier.capacity:
+        raise EyasError(f"internal: a turn of {n} positions exceeds the verifier cache of {verifier.capacity}")
+
+
+@torch.no_grad()
+def plain_generate(verifier: SequenceDecoder, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:  # fmt: skip
+    """Plain decoding, one verifier forward per token (the baseline, and the reference for losslessness)."""
+    dev = verifier.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    n = len(prompt_ids)
+    _check_room(verifier, n + max_new_tokens)
+    logits, _ = verifier.forward(torch.tensor(prompt_ids, device=dev), 0, last_only=True)
+    tokens: list[int] = []
+    while True:
+        tok = _pick(logits[-1], temperature, generator)
+        tokens.append(int(tok))
+        tokens, done = _finish(tokens, max_new_tokens, eos_ids)
+        if done:
+            break
+        logits, _ = verifier.forward(tok, n + len(tokens) - 1)
+    _sync(dev)
+    return Generation(tokens, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *,
+                         max_new_tokens: int, draft_tokens: int, eos_ids: set[int], temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> Generation:  # fmt: skip
+    """Speculative decoding of one prompt (see the module docstring for the loop's semantics).
+
+    Invariant at the top of each round: the verifier's cache holds positions
+    ``0..m-1``; the last emitted token ``x_m`` is not yet fed to it; the draft's
+    cache holds positions ``0..m-1``, each computed from the verifier's state there.
+    A round's accepted count is what the output keeps: draft tokens accepted past
+    the end-of-turn token or ``max_new_tokens`` in the last round are not counted.
+    """
+    dev, K = verifier.device, draft_tokens
+    _sync(dev)
+    t0 = time.perf_counter()
+    n = len(prompt_ids)
+    _check_room(verifier, n + max_new_tokens + K + 1)
+    draft.reset(n + max_new_tokens + K + 1)
+    ids = torch.tensor(prompt_ids, device=dev)
+    logits, aux = verifier.forward(ids, 0, last_only=True)
+    last = _pick(logits[-1], temperature, generator)  # [1]
+    tokens, done = _finish([int(last)], max_new_tokens, eos_ids)
+    # The draft's view of the prompt: position t reads token x_{t+1} and the verifier's state at t.
+    d_logits, hidden = draft.catch_up(torch.cat([ids[1:], last]), aux, 0)
+    out = Generation(tokens, 0.0)
+    m = n  # position of `last`
+    while not done:
+        drafted, q = [], []
+        for j in range(K):
+            if j:
+                d_logits, hidden = draft.step(drafted[-1], hidden, m - 1 + j)
+            if temperature == 0:
+                drafted.append(draft.to_target[d_logits.argmax(-1, keepdim=True)])
+            else:
+                probs = torch.softmax(d_logits / temperature, -1)  # [N] over the draft vocab
+                drafted.append(draft.to_target[torch.multinomial(probs, 1, generator=generator)])
+                q.append(torch.zeros_like(logits[-1]).index_copy_(0, draft.to_target, probs))  # [V], 0 off-vocab
+        proposal = torch.cat(drafted)  # [K] target ids
+        # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
+        logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
+        if temperature == 0:
+            accepted, nxt = verify_greedy(logits[None], proposal[None])
+        else:
+            accepted, nxt = verify_sampled(torch.softmax(logits / temperature, -1)[None], torch.stack(q)[None],
+                                           proposal[None], generator=generator)  # fmt: skip
+        host = torch.cat([accepted, nxt, proposal]).tolist()  # the round's one device->host sync
+        a = host[0]
+        before = len(tokens)
+        tokens, done = _finish(tokens + host[2 : 2 + a] + [host[1]], max_new_tokens, eos_ids)
+        kept = len(tokens) - before  # of the a + 1 tokens the round made
+        out.accepted.append(min(a, kept))
+        out.produced.append(kept)
+        out.proposals.append(host[2:])
+        draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
+        last = nxt
+        if not done:
+            d_logits, hidden = draft.catch_up(torch.cat([proposal[:a], nxt]), aux[: a + 1], m)
+        m += a + 1
+    out.tokens = tokens
+    _sync(dev)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def acceptance_stats(accepted: list[int], draft_tokens: int, *, produced: list[int] | None = None) -> dict[str, Any]:
+    """tau and per-position acceptance from the accepted count of every speculative round.
+
+    ``tau`` = tokens produced per verifier forward = mean over rounds of
+    ``accepted + 1`` (vLLM's mean acceptance length, ``1 + accepted / drafts``),
+    or of ``produced`` when given (the tokens each round kept: a turn's last round
+    keeps none past its end).
+    ``acceptance_per_position[j]`` is *unconditional*: the fraction of rounds in
+    which draft token ``j`` was accepted (hence all before it too), vLLM's
+    per-position acceptance rate. ``conditional_acceptance_per_position[j]`` is
+    that fraction among rounds whose tokens ``0..j-1`` were accepted.
+    """
+    K = draft_tokens
+    rounds = len(accepted)
+    hist = [0] * (K + 1)
+    for a in accepted:
+        hist[a] += 1
+    reached = [sum(hist[j:]) for j in range(K + 1)]  # rounds whose first j drafts were all accepted
+    uncond = [reached[j + 1] / rounds if rounds else 0.0 for j in range(K)]
+    cond = [reached[j + 1] / reached[j] if reached[j] else 0.0 for j in range(K)]
+    tokens = sum(produced) if produced is not None else sum(accepted) + rounds
+    return {
+        "tau": tokens / rounds if rounds else 0.0,
+        "rounds": rounds,
+        "acceptance_per_position": uncond,
+        "conditional_acceptance_per_position": cond,
+        "accepted_length_histogram": hist,
+    }

@@ -1,0 +1,293 @@
+"""``eyas eval``: real speculative decoding on the verifier, so the acceptance length is measured, not guessed.
+
+The loops follow vLLM's EAGLE proposer (:mod:`eyas.engine.speculative`), greedy verification is lossless and checked
+against plain decoding of the same turns, and the speedup is against plain decoding of the same prompts in the
+same run through the same engine (:mod:`eyas.evaluation.measure`). One prompt is decoded at a time (batch size 1, the
+latency setting speculative decoding is for); the baseline runs on the bare model: the aux-state capture is
+attached only during the speculative loop's forwards and recorded only into its graphs. With ``--offline`` the
+tau the draft's TTT accuracy predicts stands beside the measured one (:mod:`eyas.evaluation.offline`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from eyas.data.chat import end_of_turn_ids
+from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.errors import EyasError
+from eyas.engine.generate import device_and_dtype
+from eyas.evaluation.measure import Runners, as_prompts, conversation_bound, measure, recheck_fp32_turns, summarize
+from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.evaluation.offline import choose_offline_rows, draft_manifest, offline_accuracy, pick_offline_rows
+
+
+# --------------------------------------------------------------------------- drafts
+
+
+def random_draft(info, *, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Eagle3Draft:  # fmt: skip
+    """An untrained draft over the full vocab (Llama init; embedding and head from the verifier, as training
+    starts): the floor any trained draft must beat."""
+    from eyas.verifier.load import load_head_tensors
+
+    cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=info.vocab_size,
+                                    aux_layer_ids=info.aux_layer_ids)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        draft = Eagle3Draft(cfg)
+    heads = load_head_tensors(info)
+    draft.init_from_verifier(embed=heads.embed, lm_head_rows=heads.lm_head)
+    draft.t2d.fill_(True)
+    return draft.to(device=device, dtype=dtype).eval()
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = "auto", seed: int = 0,
+          trust_remote_code: bool = False, chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Load what a measurement needs once: the verifier (info, model, tokenizer with the chat template prompts are
+    rendered with, end-of-turn ids) and the draft (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
+    from eyas.draft.checkpoint import load_draft
+    from eyas.data.chat import NO_TEMPLATE_HINT
+    from eyas.verifier.load import build_text_model, load_tokenizer
+    from eyas.verifier.info import resolve
+
+    dev, dt = device_and_dtype(device, dtype)
+    info = resolve(verifier)
+    tokenizer = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {info.path} has no chat template; eyas eval renders prompts through it: "
+                        f"{NO_TEMPLATE_HINT}")  # fmt: skip
+    if str(draft) == "random":
+        d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
+    else:
+        d, manifest = load_draft(draft, verifier=info, device=dev, dtype=dt), draft_manifest(draft)
+    model = build_text_model(info, dtype=dt, device=dev)
+    if model.config.vocab_size != d.config.vocab_size:
+        raise EyasError(f"the draft {draft} is for a vocab of {d.config.vocab_size}, the verifier has "
+                        f"{model.config.vocab_size}")  # fmt: skip
+    return {"info": info, "device": dev, "dtype": dt, "tokenizer": tokenizer, "eos_ids": end_of_turn_ids(tokenizer),
+            "draft": d, "draft_manifest": manifest, "model": model}  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig(StageConfig):
+    """Measure a draft by real speculative decoding on the verifier: tau, per-position acceptance, losslessness,
+    and the speedup over plain decoding of the same prompts in the same run.
+
+    Each prompt's turns are decoded in order through the verifier's chat template; a later turn (MT-Bench's
+    second) follows the verifier's own plain-decoded answer to the turn before, so every loop sees the same
+    conversation. Several K (`--draft-tokens 3,5,7`) are measured on the same turns in one run. Prints a table;
+    ``--out`` writes the report as JSON and a PNG histogram of accepted lengths."""
+
+    stage: ClassVar[str] = "eval"
+
+    verifier: str = option(help="the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).")
+    draft: str = option(help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
+                             "'random' for an untrained draft (the floor of acceptance).")
+    prompts: str | list[Any] = option(help="'mt-bench', 'humaneval', or a local JSON/JSONL/parquet file of prompts "
+                                           "or conversations (in Python or a config, also a list of prompts: strings, "
+                                           "lists of turns, or records with turns).")
+    out: str | None = option(None, help="where to write the report: a .json path (the histogram PNG goes beside it) "
+                                        "or a directory.")
+    num_prompts: int | None = option(None, help="evaluate this many prompts (a seeded sample); default all.")
+    max_new_tokens: int = option(256, help="new tokens per turn at most (decoding also stops at the end-of-turn "
+                                           "token).")
+    draft_tokens: list[int] = option([3], help="K, the draft tokens proposed per round; several (3,5,7) are each "
+                                               "measured on the same turns (the report's top-level figures are the "
+                                               "first K's, every K's under by_draft_tokens).")
+    temperature: float = option(0.0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature.")
+    seed: int = option(0, help="seeds the prompt sample and all sampling.")
+    offline: str | None = option(None, help="an `eyas extract` features dir: also predict tau from the draft's "
+                                            "per-step conditional accuracy on those features: the validation rows "
+                                            "train held out when they are the features (or prepared rows) the draft "
+                                            "trained on, else their first --offline-rows rows; the report says which.")
+    offline_rows: int = option(256, help="rows of --offline features to use at most.")
+    device: str | None = option(None, help="cuda or cpu (default: cuda when available).")
+    dtype: str = option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")
+    cuda_graphs: bool = option(True, help="on CUDA, record every fixed-shape decoding forward (plain step, "
+                                          "verification, draft steps) once as a CUDA graph and replay it, for both "
+                                          "loops alike.")
+    compile: bool = option(True, help="with CUDA graphs, compile the verifier's decoder layers (torch.compile, one "
+                                      "layer's worth of compiling) for the recorded forwards of both loops alike: "
+                                      "fewer, fused kernels a step.")
+    baseline: bool = option(True, help="also run plain decoding (needed for the lossless check and the speedup).")
+    recheck_fp32: bool = option(False, help="decode every turn whose speculative output differs from plain greedy "
+                                            "decoding again in fp32, to tell near-ties of the compute dtype from real "
+                                            "differences.")
+    trust_remote_code: bool = option(False, help="allow the verifier's tokenizer to run checkpoint code (never on by "
+                                                 "default).")
+    chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "
+                                                  "(a base model has none): a Jinja file, or a checkpoint (dir, "
+                                                  ".gguf, hub id) whose template to use; the one the draft's data was "
+                                                  "prepared with.")
+
+
+def run(c: EvalConfig) -> dict[str, Any]:
+    """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
+    from eyas.core.manifest import versions, write_json
+    from eyas.data.chat import chat_template_hash
+
+    verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
+    max_new_tokens, draft_tokens, temperature, seed = c.max_new_tokens, c.draft_tokens, c.temperature, c.seed
+    offline, offline_rows, device, dtype, cuda_graphs = c.offline, c.offline_rows, c.device, c.dtype, c.cuda_graphs
+    compile, baseline, recheck_fp32, trust_remote_code = c.compile, c.baseline, c.recheck_fp32, c.trust_remote_code
+    chat_template = c.chat_template
+
+    Ks = list(dict.fromkeys(draft_tokens))
+    if not Ks or min(Ks) < 1:
+        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
+    offline_rows_from = None
+    if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
+        from eyas.data.features import FeatureReader
+
+        offline_rows_from = choose_offline_rows(draft_manifest(draft), offline)  # (rows, kind, why)
+        feats = FeatureReader(offline)
+        feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
+                                                             max_rows=offline_rows)))  # fmt: skip
+    plist, source = as_prompts(prompts, num_prompts=num_prompts, seed=seed)
+    env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
+                trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
+    dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
+    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
+    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs,
+                            compile=compile)  # fmt: skip
+    graphs = runners.base.graphs.enabled
+    m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
+                temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
+    if recheck_fp32 and temperature == 0:
+        recheck_fp32_turns(env, m, max_new_tokens=max_new_tokens, bound=bound)
+    by_k = {K: summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline) for K in Ks}
+    template_sha = chat_template_hash(tokenizer)
+    K = Ks[0]
+    report: dict[str, Any] = {
+        **by_k[K],
+        "num_prompts": len(plist),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "prompts": source,
+        "verifier": env["info"].path,
+        "draft": str(draft),
+        "draft_is_random": str(draft) == "random",
+        "device": str(dev),
+        "dtype": str(env["dtype"]).removeprefix("torch."),
+        "cuda_graphs": graphs,
+        "compile": graphs and runners.base.graphs.compile_model is not None,
+        "batch_size": 1,
+        "chat_template_sha256": template_sha,
+        "chat_template": chat_template,  # --chat-template, or None: the tokenizer's own
+        "end_of_turn_ids": sorted(env["eos_ids"]),
+        "seed": seed,
+        "versions": versions(),
+    }
+    if len(Ks) > 1:
+        report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
+    trained_template = (env["draft_manifest"].get("inputs") or {}).get("chat_template_sha256")
+    if trained_template and template_sha and trained_template != template_sha:
+        report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
+                             "prepare used: --chat-template)")  # fmt: skip
+    if offline:
+        rows, kind, why = offline_rows_from
+        report["offline"] = offline_accuracy(d, env["info"], offline, ttt_steps=K, rows=rows, max_rows=offline_rows,
+                                             device=dev)  # fmt: skip
+        report["offline"].update(rows_from=kind, rows_note=why)
+        report["predicted_tau"] = report["offline"]["predicted_tau"]
+    if out:
+        json_path, png_path = _report_paths(out)
+        name = "random draft" if report["draft_is_random"] else Path(str(draft)).name
+        plot_histogram(png_path, report["accepted_length_histogram"], tau=report["tau"],
+                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={temperature:g}")  # fmt: skip
+        report["histogram_png"] = str(png_path)
+        write_json(json_path, report)
+        report["report_json"] = str(json_path)
+    _print_report(report)
+    return report
+
+
+evaluate = stage_function(EvalConfig, run, "evaluate")
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _report_paths(out: str | Path) -> tuple[Path, Path]:
+    """``--out report.json`` names the report (the histogram goes beside it); any other path is a directory."""
+    p = Path(out)
+    if p.suffix == ".json":
+        return p, p.with_name(p.stem + "_accepted_lengths.png")
+    return p / "report.json", p / "accepted_lengths.png"
+
+
+def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> None:
+    """A bar chart of accepted draft tokens per round, written atomically as a PNG (matplotlib's Agg canvas,
+    without pyplot's global state)."""
+    from matplotlib.figure import Figure
+
+    from eyas.core.manifest import atomic_path
+
+    fig = Figure(figsize=(5, 3.2), dpi=120)
+    ax = fig.subplots()
+    rounds = sum(hist) or 1
+    ax.bar(range(len(hist)), [h / rounds for h in hist], color="#4c72b0")
+    ax.set_xticks(range(len(hist)))
+    ax.set_xlabel("draft tokens accepted in a round")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title(f"{title}\ntau = {tau:.2f} tokens per verifier forward", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    fmt = lambda xs: "  ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    rows = [
+        ("prompts", f"{r['num_prompts']} ({r['num_turns']} turns, {r['generated_tokens']} tokens) from {r['prompts']}"),
+        ("draft", r["draft"] + ("  (random: untrained)" if r["draft_is_random"] else "")),
+        ("setting", f"K={r['draft_tokens']}  T={r['temperature']:g}  {r['device']} {r['dtype']}  "
+                    f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}{'  compiled' if r['compile'] else ''}  batch 1"),
+        ("tau (tokens per verifier forward)", f"{r['tau']:.3f}  over {r['rounds']} rounds"),
+    ]  # fmt: skip
+    if "predicted_tau" in r:
+        rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f}  (measured {r['tau']:.3f})"))
+        off = r["offline"]
+        rows.append(("offline rows", f"{off['rows']} rows of {off['features']}: {off['rows_note']}"))
+    rows += [
+        ("acceptance per position", fmt(r["acceptance_per_position"]) + "  (unconditional)"),
+        ("conditional acceptance", fmt(r["conditional_acceptance_per_position"]) + "  (given the previous accepted)"),
+        ("accepted-length histogram", " ".join(map(str, r["accepted_length_histogram"])) + "  (0..K drafts accepted)"),
+    ]
+    if r["lossless"] is not None:
+        rows.append(("lossless (== plain greedy)", _lossless_line(r["mismatches"], r["dtype"])))
+    speed = f"{r['tokens_per_s']:.1f} tokens/s"
+    if r["baseline_tokens_per_s"]:
+        speed += f"  vs plain {r['baseline_tokens_per_s']:.1f}: speedup {r['speedup']:.2f}x"
+    rows.append(("speed", speed))
+    for k, x in (r.get("by_draft_tokens") or {}).items():
+        line = f"tau {x['tau']:.3f}"
+        if x["speedup"]:
+            line += f"  speedup {x['speedup']:.2f}x"
+        if x["lossless"] is not None:
+            line += f"  lossless {_lossless_line(x['mismatches'], r['dtype'])}"
+        rows.append((f"K={k}", line))
+    if r.get("warning"):
+        rows.append(("warning", r["warning"]))
+    if r.get("report_json"):
+        rows.append(("report", f"{r['report_json']}  (histogram {r['histogram_png']})"))
+    width = max(len(k) for k, _ in rows)
+    print("\neyas eval")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def _lossless_line(mismatches: list[dict[str, Any]], dtype: str) -> str:
+    if not mismatches:
+        return "yes"
+    ties = sum(x.get("kind") == "near-tie" for x in mismatches)
+    real = len(mismatches) - ties
+    how = " (rechecked in fp32)" if any("fp32" in x for x in mismatches) else f" (by the logit gap in {dtype})"
+    return f"NO: {len(mismatches)} turn(s) differ: {ties} near-tie(s), {real} real{how}"

@@ -1,0 +1,385 @@
+"""``eyas train``: train the EAGLE-3 draft with training-time test, offline (feature shards) or online (verifier
+in the loop), resumable, under ``torchrun`` with DDP or FSDP2.
+
+What it optimises is what inference runs: :meth:`eyas.draft.model.Eagle3Draft.ttt`
+calls the same ``step`` function ``eyas eval`` drafts with, and the loss
+(:mod:`eyas.training.loss`) scores step ``k`` at index ``t`` against the verifier's
+distribution at ``t+1+k`` over the draft vocab.
+
+Data (:mod:`eyas.training.batches`). Rows are packed into sequences of at most ``--max-seq-len`` tokens with document
+ids (attention never crosses rows), ``--batch-tokens`` per micro-batch, ``--grad-accum`` micro-batches per rank
+and optimizer step; the loss is normalised by the loss-masked positions of the whole step over all ranks.
+
+Safety. Checkpoints (``checkpoints/step-N``: a loadable speculators checkpoint
+plus ``trainer_state.pt`` with the fp32 weights, optimizer state, RNG and data
+position) are written atomically every ``--save-every`` steps and at each
+epoch's end; a rerun of the same command resumes from the newest, and on CPU
+the result is bit-identical to an uninterrupted run. A non-finite loss or
+gradient stops the run before anything is saved from it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from eyas.training.batches import FeatureRows, PreparedRows, load_vocab, row_counts
+from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.errors import EyasError
+from eyas.training.loss import CHUNK_TOKENS, TargetHead
+from eyas.training.precision import use_working_weights
+from eyas.training.log import METRICS, PLOT, accuracy_measure, plot_curves, print_summary
+from eyas.training.trainer import CHECKPOINTS, Options, Trainer, compile_draft, save_output
+
+STAGE = "train"
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig(StageConfig):
+    """Train an EAGLE-3 draft for a verifier with training-time test; the output dir is a speculators checkpoint.
+
+    Offline, --data is an `eyas extract` output; with --online it is an `eyas prepare` output and the verifier
+    computes the features per batch. Rerun the same command to resume from the newest checkpoint. Distributed:
+    ``torchrun --nproc-per-node N -m eyas.cli train ...`` (DDP, or --dist fsdp for FSDP2)."""
+
+    stage: ClassVar[str] = "train"
+
+    verifier: str = option(aliases=("--verifier-path",), help="the verifier checkpoint (dir, .gguf, 'smollm2').")
+    data: str = option(aliases=("--data-dir",), help="features from `eyas extract` (offline), or prepared rows from "
+                                                     "`eyas prepare` with --online.")
+    out: str = option(aliases=("--output-dir",), help="output directory: the draft (config.json + model.safetensors), "
+                                                      "checkpoints/, metrics.jsonl, tensorboard/.")
+    vocab: str | None = option(
+        None, aliases=("--vocab-mapping-dir",), help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the "
+        "whole verifier vocab.")
+    online: bool = option(False, help="run the verifier in the loop on prepared rows (nothing written to disk but the "
+                                      "draft).")
+    layers: list[int] | None = option(None, help="three aux layer ids (online only; offline they come from the "
+                                                 "features); default [2, L//2, L-3].")
+    epochs: int = option(10, help="passes over the training rows.")
+    lr: float = option(1e-4, help="peak learning rate.")
+    max_seq_len: int = option(2048, help="tokens per packed sequence; longer rows are truncated (and counted).")
+    batch_tokens: int | None = option(None, help="tokens per micro-batch and rank, a multiple of --max-seq-len "
+                                                 "(default: one sequence).")
+    grad_accum: int = option(1, help="micro-batches per rank and optimizer step.")
+    ttt_steps: int = option(3, help="training-time-test steps (tokens drafted per position); also the draft's "
+                                    "speculative_tokens.")
+    step_loss_decay: float = option(1.0, help="weight of TTT step k is decay**k (1: every step equally).")
+    val_ratio: float = option(0.02, help="share of rows held out for validation at each epoch's end.")
+    num_workers: int = option(2, help="DataLoader worker processes.")
+    warmup_steps: int | None = option(None, help="linear warmup steps (default: 3% of all steps).")
+    schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="learning-rate decay after warmup.")
+    weight_decay: float = option(0.0, help="AdamW weight decay on matrices (norms never decay).")
+    clip: float = option(0.5, help="gradient-norm clip (0: off).")
+    seed: int = option(0, help="seeds the draft's init, the validation split and each epoch's packing order.")
+    save_every: int = option(1000, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).")
+    keep_checkpoints: int = option(2, help="how many checkpoints to keep.")
+    log_every: int = option(10, help="log metrics (and sync the device) every N steps.")
+    optimizer: Literal["adamw", "muon"] = option("adamw", help="adamw, or muon (speculators' default: Muon on "
+                                                               "matrices, AdamW on norms and lm_head).")
+    freeze_lm_head: bool = option(False, help="keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE "
+                                              "trains it).")
+    drop_out_of_vocab: bool = option(False, help="no loss where the verifier's full-vocab argmax is outside the draft "
+                                                 "vocab (EAGLE's choice; needs --full-vocab-accuracy).")
+    full_vocab_accuracy: bool = option(True, help="score accuracy against the verifier's full-vocab argmax (costs one "
+                                                  "pass over the head); without it accuracy is within the draft vocab "
+                                                  "and overstates tau.")
+    dist: Literal["ddp", "fsdp"] = option("ddp", help="under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).")
+    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")
+    device_map: str | dict[str, Any] | None = option(
+        None, help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
+        "('auto'; a dict in Python) while the draft trains on --device; one process only.")
+    compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
+    gradient_checkpointing: bool = option(False, help="recompute each TTT step's layer in backward: far less "
+                                                      "activation memory (long sequences, big drafts) for about a "
+                                                      "third more layer compute.")
+    working_weights: bool | None = option(None, help="compute with working copies of the weights cast once per "
+                                                     "optimizer step, the weight gradients coming out of their "
+                                                     "matmuls in fp32 (default: on, except under --dist fsdp, which "
+                                                     "casts its gathered shards itself).")
+    deferred_wgrad: bool | None = option(None, help="with working weights, accumulate each layer weight's gradient "
+                                                    "over the TTT steps in one fp32 buffer by its matmuls, handing "
+                                                    "autograd the sum once instead of forming one gradient per step "
+                                                    "and adding them (2 GiB less peak at Kimi-K2.5 dims; default: on "
+                                                    "with working weights and without --gradient-checkpointing, whose "
+                                                    "recomputed layer would use each weight again).")
+    loader_embeddings: bool | None = option(None, help="keep the frozen embedding in host memory and let the data "
+                                                       "loader look each batch's rows up, instead of holding the "
+                                                       "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
+                                                       "at Kimi-K2.5's; default: on for offline training on CUDA with "
+                                                       "loader workers and without --dist fsdp).")
+    norm_before_residual: bool = option(False, help="layout variant: residual = hidden_norm(h) (speculators' default; "
+                                                    "served by vLLM, by no SGLang release).")
+    norm_before_fc: bool = option(False, help="layout variant: one RMSNorm over the three concatenated aux states "
+                                              "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
+                                              "0.5.17).")
+    fc_norm: bool = option(False, help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
+                                       "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
+    norm_output: bool = option(False, help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
+                                           "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
+    draft_arch: Literal["llama", "qwen3"] = option(
+        "llama", help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
+        "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).")
+    num_layers: int = option(1, help="draft decoder layers: the first reads the token embedding and the hidden state, "
+                                     "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
+                                     ">= 0.5.12).")
+    intermediate_size: int | None = option(None, help="draft MLP width (default: the verifier's).")
+    num_attention_heads: int | None = option(None, help="draft query heads (default: the verifier's; MLA verifiers: "
+                                                        "as many).")
+    num_key_value_heads: int | None = option(None, help="draft KV heads (default: the verifier's; MLA verifiers: 8).")
+    head_dim: int | None = option(None, help="draft head dim (default: the verifier's, or hidden / heads).")
+    verifier_name: str | None = option(None, help="verifier name_or_path written into config.json for vLLM (default: "
+                                                  "the --verifier path).")
+    max_steps: int | None = option(None, help="stop after N optimizer steps (smoke runs and benchmarks).")
+    profile_every: int = option(0, help="every N steps, sync at phase boundaries and log "
+                                        "data/forward/backward/optimizer times.")
+    loss_chunk_tokens: int = option(CHUNK_TOKENS, help="positions per chunk of the fused loss (its logits buffer is "
+                                                       "this x the draft vocab); positions no TTT step scores "
+                                                       "(prompts, packing padding) are skipped in whole chunks of "
+                                                       "this size.")
+
+    def check(self) -> None:
+        from eyas.verifier.info import check_aux_layer_ids
+
+        if self.max_seq_len < self.ttt_steps + 2:
+            raise EyasError(f"--ttt-steps must be >= 1 and --max-seq-len >= ttt_steps + 2 (got {self.ttt_steps}, "
+                            f"{self.max_seq_len})")  # fmt: skip
+        if self.batch_tokens is not None and self.batch_tokens % self.max_seq_len:
+            raise EyasError(f"--batch-tokens {self.batch_tokens} must be a multiple of --max-seq-len "
+                            f"{self.max_seq_len}")  # fmt: skip
+        if self.drop_out_of_vocab and not self.full_vocab_accuracy:
+            raise EyasError("--drop-out-of-vocab needs the verifier's full-vocab argmax (to know which positions "
+                            "fall outside the draft vocab), which --no-full-vocab-accuracy skips computing: drop one "
+                            "of them")  # fmt: skip
+        if self.layers is not None:  # (the verifier's layer count is checked when it is read)
+            check_aux_layer_ids(self.layers)
+
+
+def run(c: TrainConfig) -> dict[str, Any]:
+    """Run `eyas train` as ``c`` describes (see :class:`TrainConfig`); distributed when started under torchrun."""
+    from eyas.core import dist as _dist
+
+    kind = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with _dist.init(device_type="cuda" if kind.startswith("cuda") else "cpu") as d:
+        return _train(d, c)
+
+
+train = stage_function(TrainConfig, run, "train")
+
+
+def _train(d, c: TrainConfig) -> dict[str, Any]:
+    from eyas.draft.attention import default_attn_implementation
+    from eyas.core.manifest import MANIFEST, StageOutput, read_json, sha256_json
+    from eyas.draft.model import DraftConfig, Eagle3Draft
+    from eyas.verifier.load import build_text_model, load_head_tensors
+    from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve
+
+    out = Path(c.out)
+    info = resolve(c.verifier)
+    where = d.device(c.device)
+    cuda = where.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(where)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    compute_dtype = torch.bfloat16 if cuda else torch.float32
+    fp = fingerprint(info)
+    ttt_steps, max_len = c.ttt_steps, c.max_seq_len
+    batch_tokens = c.batch_tokens or max_len
+
+    # ---- inputs, all checked before anything runs
+    if c.device_map is not None and (not c.online or d.active):
+        raise EyasError("--device-map spreads the verifier of an --online run over the GPUs of one process; it "
+                        "needs --online and no torchrun")  # fmt: skip
+    if c.online:
+        from eyas.data.datasets import prepared_verifier
+
+        source = PreparedRows(c.data)
+        if prepared_verifier(source.manifest) != fp:
+            raise EyasError(f"the prepared rows in {c.data} were tokenized for another verifier "
+                            f"({source.manifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` "
+                            "with this --verifier")  # fmt: skip
+        layer_ids = check_aux_layer_ids(c.layers or info.aux_layer_ids, info.num_hidden_layers)
+    else:
+        from eyas.data.features import read_features_manifest
+
+        fm = read_features_manifest(c.data)
+        if int(fm["hidden_size"]) != info.hidden_size:
+            raise EyasError(f"the features in {c.data} have hidden size {fm['hidden_size']} but {info.path} has "
+                            f"{info.hidden_size}")  # fmt: skip
+        if fm.get("inputs", {}).get("verifier") != fp:
+            raise EyasError(f"the features in {c.data} were extracted from another verifier "
+                            f"({fm.get('verifier_path', 'unknown')}), not {info.path}: train with the verifier they "
+                            "came from, or run `eyas extract` with this one")  # fmt: skip
+        layer_ids = check_aux_layer_ids(fm["layer_ids"], info.num_hidden_layers,  # a damaged or hand-made manifest
+                                        what=f"the layer_ids of {Path(c.data) / MANIFEST}")  # fmt: skip
+        if c.layers is not None and sorted(c.layers) != layer_ids:
+            raise EyasError(f"--layers {c.layers} differs from the layers the features hold ({layer_ids}); "
+                            "drop --layers or extract those layers")  # fmt: skip
+        source = FeatureRows(c.data, dtype=compute_dtype)
+    d2t, t2d, vocab_id = load_vocab(c.vocab, vocab_size=info.vocab_size)
+    overrides = {k: getattr(c, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim") if getattr(c, k) is not None}  # fmt: skip
+    try:
+        cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=len(d2t), aux_layer_ids=layer_ids,
+                                        norm_before_residual=c.norm_before_residual,
+                                        norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
+                                        norm_output=c.norm_output, draft_arch=c.draft_arch,
+                                        num_hidden_layers=c.num_layers, **overrides)  # fmt: skip
+    except (ValueError, KeyError) as e:
+        raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
+    if c.dist == "fsdp" and c.optimizer == "muon" and d.active:
+        raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
+
+    flat, offsets = source.masks()
+    lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)
+    truncated = int((np.diff(offsets) > max_len).sum())
+    perm = np.random.default_rng(c.seed).permutation(len(lengths))
+    n_val = int(round(len(lengths) * c.val_ratio)) if c.val_ratio > 0 else 0
+    n_val = min(max(n_val, 1 if c.val_ratio > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
+    rows_val = np.sort(perm[:n_val])
+    rows_train = np.sort(perm[n_val:])
+    empty = int((counts[rows_train, 0] == 0).sum())
+    rows_train = rows_train[counts[rows_train, 0] > 0]  # no scored position: nothing to learn from
+    if not len(rows_train):
+        raise EyasError(f"{c.data} has no training row with a loss-masked token past position 1")
+
+    keys = ("online", "epochs", "lr", "max_seq_len", "grad_accum", "ttt_steps", "step_loss_decay", "val_ratio",
+            "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
+            "drop_out_of_vocab", "full_vocab_accuracy", "max_steps")  # fmt: skip
+    settings = {k: getattr(c, k) for k in keys}
+    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
+                    draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
+    inputs = {"verifier": fp, "data": source.identity(), "vocab": vocab_id,
+              # the template the rows were rendered with, for `eyas eval` to compare (offline: through extract)
+              "chat_template_sha256": source.manifest.get("inputs", {}).get("chat_template_sha256")}  # fmt: skip
+    run_id = sha256_json({"inputs": inputs, "settings": settings})
+
+    with StageOutput(out, stage=STAGE, d=d) as output:
+
+        def open_out() -> dict[str, Any] | None:  # on rank 0: the finished output, or None: there is work
+            finished = output.up_to_date(inputs=inputs, settings=settings, other="a draft")
+            if finished is None:
+                for tmp in (out / CHECKPOINTS).glob(".step-*"):  # left by a killed run; the lock says none is alive
+                    shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+            return finished
+
+        m = d.run_on_main(open_out)
+        if m is not None:
+            if d.is_main:
+                print(f"{out}: already trained ({m['outputs']['steps']} steps); nothing to do")
+            return m["outputs"]
+        d.barrier("output directory")
+
+        # ---- the draft, its targets, the verifier (online)
+        torch.manual_seed(c.seed)
+        draft = Eagle3Draft(cfg, attn_implementation=default_attn_implementation(where))
+        heads = load_head_tensors(info)
+        target_ids = torch.arange(len(d2t)) + d2t
+        draft.init_from_verifier(embed=heads.embed, lm_head_rows=heads.lm_head[target_ids])
+        draft.set_vocab(d2t=d2t, t2d=t2d)
+        draft.lm_head.weight.requires_grad_(not c.freeze_lm_head)
+        draft.gradient_checkpointing = c.gradient_checkpointing
+        fsdp = d.active and c.dist == "fsdp"
+        # by default only with loader workers: the main process, which launches the GPU's work, gathers nothing
+        on_host = c.loader_embeddings if c.loader_embeddings is not None else \
+            cuda and not c.online and not fsdp and c.num_workers > 0  # fmt: skip
+        if on_host and (c.online or fsdp):
+            raise EyasError("--loader-embeddings needs offline features and no --dist fsdp (online, the verifier's "
+                            "own embedding runs on the device anyway); drop the flag")  # fmt: skip
+        if on_host:  # every module but the frozen embedding goes to the device; the loader looks rows up
+            for name, child in draft.named_children():
+                if name != "embed_tokens":
+                    child.to(where)
+            for name, buf in list(draft.named_buffers(recurse=False)):
+                setattr(draft, name, buf.to(where))
+        else:
+            draft.to(where)
+        draft.embed_tokens.to(compute_dtype)  # frozen: bf16 on GPU as the verifier serves it, no master copy
+        if c.freeze_lm_head and not fsdp:  # (an FSDP2 unit wants one dtype)
+            draft.lm_head.to(compute_dtype)  # frozen too: no fp32 master copy either
+        rest_ids = torch.from_numpy(np.flatnonzero(~t2d.numpy()))
+        use_rest = c.full_vocab_accuracy and len(rest_ids) > 0
+        accuracy = accuracy_measure(use_rest or len(rest_ids) == 0)
+        head_w = draft.lm_head.weight
+        # a frozen lm_head holds exactly the verifier's draft-vocab rows: the targets share its memory
+        rows = head_w.detach() if c.freeze_lm_head and head_w.dtype == compute_dtype else \
+            heads.lm_head[target_ids].to(where, compute_dtype)  # fmt: skip
+        head = TargetHead.for_verifier(info, rows=rows, draft_target_ids=target_ids.to(where),
+                                       rest=heads.lm_head[rest_ids].to(where, compute_dtype) if use_rest else None,
+                                       rest_ids=rest_ids.to(where) if use_rest else None, dtype=compute_dtype,
+                                       device=where)  # fmt: skip
+        del heads
+        working = c.working_weights if c.working_weights is not None else not fsdp
+        if working and fsdp:
+            raise EyasError("--working-weights does not combine with --dist fsdp (FSDP2 casts its gathered shards "
+                            "itself); drop the flag")  # fmt: skip
+        deferred = c.deferred_wgrad if c.deferred_wgrad is not None else \
+            working and not c.gradient_checkpointing  # fmt: skip
+        if deferred and (not working or c.gradient_checkpointing):
+            raise EyasError("--deferred-wgrad needs working weights and no --gradient-checkpointing (a recomputed "
+                            "layer would use each weight again); drop one of them")  # fmt: skip
+        if working:
+            # lm_head: the fused loss casts it once per micro-batch; fc runs once per forward, so a copy kept
+            # between steps would only hold memory (0.3 GiB at Kimi-K2.5 dims)
+            use_working_weights(draft, compute_dtype, skip=(draft.lm_head,), cast_per_call=(draft.fc,))
+        compiled = c.compile if c.compile is not None else cuda
+        if compiled:
+            compile_draft(draft)
+        verifier_model = build_text_model(info, dtype=compute_dtype, device=None if c.device_map else where,
+                                          device_map=c.device_map) if c.online else None  # fmt: skip
+        archs = [] if info.gguf_file else \
+            read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
+        if not archs:  # a GGUF file has no config.json: name transformers' class for its model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
+                if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
+        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs,
+                     "ttt_steps": ttt_steps}
+        o = Options(epochs=c.epochs, lr=c.lr, max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
+                    grad_accum=c.grad_accum, ttt_steps=ttt_steps,
+                    step_weights=[c.step_loss_decay ** k for k in range(ttt_steps)], warmup_steps=c.warmup_steps,
+                    schedule=c.schedule, weight_decay=c.weight_decay, clip=c.clip, seed=c.seed,
+                    optimizer=c.optimizer, drop_out_of_vocab=c.drop_out_of_vocab, num_workers=c.num_workers,
+                    save_every=c.save_every, keep_checkpoints=c.keep_checkpoints, log_every=c.log_every,
+                    max_steps=c.max_steps, profile_every=c.profile_every,
+                    deferred_wgrad=deferred, loss_chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
+        trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
+                          verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
+                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=c.dist, compiled=compiled,
+                          fingerprint=run_id, save_meta=save_meta,
+                          loader_embed=draft.embed_tokens.weight.detach() if on_host else None)  # fmt: skip
+        if d.is_main:
+            trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+            print(f"eyas train: {len(rows_train)} rows ({int(lengths[rows_train].sum()):,} tokens) for training, "
+                  f"{len(rows_val)} for validation; {trainer.total} steps over {c.epochs} epoch(s), "
+                  f"{d.world_size} rank(s) x {c.grad_accum} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
+                  f"trainable parameters, vocab {len(d2t)}/{info.vocab_size}, layers {layer_ids}, "
+                  f"{'online' if c.online else 'offline'}, {where}"
+                  + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
+                  + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
+        result = trainer.run()
+        # what the defaults resolved to on this machine (the settings record what was asked for)
+        result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host)
+        state = trainer.final_state()
+        if d.is_main:
+            save_output(out, cfg, state, **save_meta)
+            plot_curves(out, ttt_steps, accuracy=accuracy)
+            summary = {k: v for k, v in result.items() if k not in ("train", "val")}
+            # val_rows: indices into --data's rows, which `eyas eval --offline` reads
+            summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,
+                           skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
+            output.finish(outputs=summary, verifier_path=info.path, data_path=str(c.data))
+            if result["train"]:
+                print_summary(result["train"], label=f"training (last {c.log_every} steps)", accuracy=accuracy)
+            if result["val"]:
+                print_summary(result["val"], label="validation", accuracy=accuracy)
+            print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
+                  f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
+        d.barrier("end of training")
+        return result

@@ -1,0 +1,167 @@
+"""``eyas vocab``: the draft's vocabulary, the ``N`` target tokens the assistant uses most.
+
+EAGLE-3 drafts predict over a reduced vocabulary of ``N`` target tokens
+(HASS/EAGLE-3 use 32000); the rest of the target vocab can never be drafted,
+so the mapping must cover what the *assistant* writes. Tokens are counted over
+the loss-masked positions of the prepared rows (``count="all"`` counts every
+token), the top ``N`` by frequency are kept (ties to the lower id), and they
+are sorted ascending. When fewer than ``N`` distinct tokens occur, the lowest
+unused ids fill the rest, as speculators' ``build_vocab_mappings_from_distribution``
+does (speculators ``src/speculators/data_generation/vocab_mapping.py``).
+
+Files, in speculators' layout (its ``train.py`` reads them with
+``torch.from_numpy(np.load(path))``):
+
+- ``d2t.npy``: int64 ``[N]`` offsets, ``target_id = draft_id + d2t[draft_id]``;
+- ``t2d.npy``: bool ``[V_target]``, True on the target ids in the draft vocab;
+- ``manifest.json`` (stage ``vocab``): the coverage report, ``draft_vocab_size``,
+  ``vocab_size`` (the target's), and the prepared rows' identity as input.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.errors import EyasError
+from eyas.core.manifest import StageOutput, atomic_path, sha256_json
+
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+def count_tokens(ds, vocab_size: int, *, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token frequencies ``(over masked positions, over all positions)``, each int64 ``[vocab_size]``.
+
+    Reads the Arrow columns chunk by chunk (flat values, no per-row Python).
+    """
+    from tqdm.auto import tqdm
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    masked = np.zeros(vocab_size, dtype=np.int64)
+    every = np.zeros(vocab_size, dtype=np.int64)
+    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+    if [len(c) for c in ids_col.chunks] != [len(c) for c in mask_col.chunks]:
+        ids_col, mask_col = ids_col.combine_chunks(), mask_col.combine_chunks()
+        pairs = [(ids_col, mask_col)]
+    else:
+        pairs = list(zip(ids_col.chunks, mask_col.chunks))
+    for ids_arr, mask_arr in tqdm(pairs, desc="vocab", unit="chunk", file=sys.stderr, disable=len(pairs) < 4):
+        ids = ids_arr.flatten().to_numpy(zero_copy_only=False)
+        mask = mask_arr.flatten().to_numpy(zero_copy_only=False)
+        if len(ids) != len(mask):
+            raise EyasError(f"{where}: input_ids and loss_mask differ in length; run `eyas prepare` again")
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+            raise EyasError(
+                f"{where}: token id {bad} is outside the verifier vocab of {vocab_size}; "
+                "the rows were not tokenized for this verifier"
+            )
+        every += np.bincount(ids, minlength=vocab_size)
+        masked += np.bincount(ids[mask.astype(bool)], minlength=vocab_size)
+    return masked, every
+
+
+def select_draft_vocab(counts: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` most frequent ids (ties to the lower id), padded with the lowest unused ids, sorted."""
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count descending, then id ascending
+    seen = order[: min(n, int((counts > 0).sum()))]
+    if len(seen) < n:
+        unused = np.setdiff1d(np.arange(len(counts)), seen, assume_unique=True)
+        seen = np.concatenate([seen, unused[: n - len(seen)]])
+    return np.sort(seen)
+
+
+def mapping(selected: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(d2t, t2d)`` for sorted draft ids ``selected``: int64 offsets ``[N]`` and a bool mask ``[V]``."""
+    d2t = selected.astype(np.int64) - np.arange(len(selected), dtype=np.int64)
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[selected] = True
+    return d2t, t2d
+
+
+@dataclass(kw_only=True, frozen=True)
+class VocabConfig(StageConfig):
+    """Choose the draft vocabulary from prepared rows and write d2t.npy / t2d.npy in speculators' layout."""
+
+    stage: ClassVar[str] = "vocab"
+
+    data: str = option(help="an `eyas prepare` output directory.")
+    out: str = option(help="the output directory.")
+    draft_vocab_size: int | None = option(None, help="tokens in the draft vocab (default: 32000, or the verifier "
+                                                     "vocab when smaller).")
+    count: Literal["masked", "all"] = option("masked", help="count tokens at loss-masked positions only (masked), or "
+                                                            "at every position (all).")
+
+
+def run(c: VocabConfig) -> dict[str, Any]:
+    """Run `eyas vocab` as ``c`` describes (see :class:`VocabConfig`)."""
+    from eyas.training.batches import PreparedRows
+
+    data, out, draft_vocab_size, count = c.data, c.out, c.draft_vocab_size, c.count
+    source = PreparedRows(data)
+    prepared = source.manifest
+    V = int(prepared.get("vocab_size") or 0)
+    if V <= 0:
+        raise EyasError(f"{Path(data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
+    n = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, V)
+    if not 1 <= n <= V:
+        raise EyasError(
+            f"--draft-vocab-size {n} must be between 1 and the verifier vocab size {V} "
+            f"(the draft vocab is a subset of the verifier's)"
+        )
+    if len(source) == 0:
+        raise EyasError(f"{data} holds no rows: there is nothing to count; prepare more data")
+    identity = {k: prepared.get(k) for k in ("stage", "inputs", "settings", "outputs")}
+    inputs = {
+        "prepared_sha256": sha256_json(identity),
+        "verifier": prepared.get("inputs", {}).get("verifier"),
+        "chat_template_sha256": prepared.get("inputs", {}).get("chat_template_sha256"),
+    }
+    settings = {"draft_vocab_size": n, "count": count}
+    out_dir = Path(out)
+    with StageOutput(out_dir, stage="vocab") as output:
+        manifest = output.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy", "t2d.npy"))
+        if manifest is not None:
+            print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
+            return manifest
+        masked, every = count_tokens(source.ds, V, where=str(data))
+        counts = masked if count == "masked" else every
+        if counts.sum() == 0:
+            raise EyasError(f"{data} has no {'loss-masked ' if count == 'masked' else ''}tokens to count")
+        selected = select_draft_vocab(counts, n)
+        d2t, t2d = mapping(selected, V)
+        for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
+            with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
+                np.save(f, arr, allow_pickle=False)
+        outputs = _coverage(masked, every, t2d, counts)
+        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(data))
+    print(
+        f"vocab: draft vocab {n:,} of {V:,} target tokens -> {out_dir}\n"
+        f"  covers {outputs['masked_coverage']:.2%} of {outputs['masked_tokens']:,} masked tokens "
+        f"({outputs['all_coverage']:.2%} of all {outputs['all_tokens']:,}); "
+        f"{outputs['left_out_tokens']:,} target tokens seen in the counted positions are left out"
+        + (f"; {outputs['padded']:,} unused ids fill the vocab" if outputs["padded"] else "")
+    )
+    return manifest
+
+
+vocab = stage_function(VocabConfig, run, "vocab")
+
+
+def _coverage(masked: np.ndarray, every: np.ndarray, t2d: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
+    """How much of the data the draft vocab can express."""
+    return {
+        "masked_tokens": int(masked.sum()),
+        "masked_coverage": float(masked[t2d].sum() / max(masked.sum(), 1)),
+        "all_tokens": int(every.sum()),
+        "all_coverage": float(every[t2d].sum() / max(every.sum(), 1)),
+        "distinct_tokens": int((counts > 0).sum()),
+        "left_out_tokens": int(((counts > 0) & ~t2d).sum()),
+        "left_out_share": float(counts[~t2d].sum() / max(counts.sum(), 1)),
+        "padded": int((t2d & (counts == 0)).sum()),
+    }

@@ -1,0 +1,545 @@
+"""The training loop: one :class:`Trainer` per process runs the epochs (every rank the same code, rank 0 also
+writes), with the draft and its loss as one module (:class:`TTTObjective`) under DDP or FSDP2.
+
+Each optimizer step runs ``--grad-accum`` micro-batches per rank from :mod:`eyas.training.batches` (their tensors copied
+to the device on a side stream while the previous step computes), syncs gradients on the last, clips and steps
+(:mod:`eyas.training.optim`). Metrics are summed on the device and reduced over ranks only when logged
+(:mod:`eyas.training.log`). Checkpoints (``checkpoints/step-N``: a loadable speculators checkpoint plus
+``trainer_state.pt`` with the fp32 weights, optimizer state, RNG and data position) are written atomically; a
+rerun resumes from the newest. A non-finite loss or gradient stops the run before anything is saved from it.
+
+(Over 500 lines: :class:`Trainer` is one object whose loop, device pipeline, checkpoints and logs read and write
+the same state, the step counters, the optimizers and the last metrics; split, each part would take it all.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from eyas.training.batches import Step, StepData, plan_epoch
+from eyas.core.errors import EyasError
+from eyas.training.loss import CHUNK_TOKENS, TargetHead, Targets, step_masks, ttt_loss
+from eyas.training.optim import build_optimizers, clip_gradients, lr_factor
+from eyas.training.precision import FusedAdamW, begin_deferred_wgrad, refresh_working_weights
+from eyas.training.log import Meter, RunLog, flat_metrics
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+STATE_FORMAT = "eyas-train-state/1"
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+class TTTObjective(nn.Module):
+    """The draft plus its loss in one module, so DDP and FSDP2 see every use of ``lm_head`` inside ``forward``."""
+
+    def __init__(self, draft, *, ttt_steps: int, step_weights: list[float], drop_out_of_vocab: bool,
+                 compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = CHUNK_TOKENS,
+                 deferred_wgrad: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.draft = draft
+        self.ttt_steps, self.drop, self.compute_dtype = ttt_steps, drop_out_of_vocab, compute_dtype
+        self.compiled, self.chunk_tokens, self.deferred_wgrad = compiled, chunk_tokens, deferred_wgrad
+        self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
+
+    def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
+                denom, inputs_embeds=None, scored_rows=None):  # fmt: skip
+        refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
+        if self.deferred_wgrad and torch.is_grad_enabled():  # each layer weight is used once per TTT step
+            begin_deferred_wgrad(self.draft, uses=self.ttt_steps, lead_shape=tuple(input_ids.shape))
+        normed = self.draft.ttt(input_ids, aux, ttt_steps=self.ttt_steps, doc_ids=doc_ids, position_ids=position_ids,
+                                inputs_embeds=inputs_embeds)  # fmt: skip
+        valid = step_masks(loss_mask, doc_ids, self.ttt_steps).flatten(1)  # [S, B*T]
+        scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
+        targets = Targets(target_logits, target_argmax, in_vocab)
+        return ttt_loss([h.flatten(0, 1) for h in normed], self.draft.lm_head.weight, targets, valid, scale,
+                        drop_out_of_vocab=self.drop, compute_dtype=self.compute_dtype,
+                        chunk_tokens=self.chunk_tokens, compiled=self.compiled, rows=scored_rows)  # fmt: skip
+
+
+def compile_draft(draft) -> None:
+    """Compile the draft for training in place (state-dict keys unchanged): each TTT step's layer, attention
+    included, and final norm as one region (:meth:`eyas.draft.model.Eagle3Draft.ttt_block`). Each region costs the
+    host a guard check and an autograd wrapper per call, forward and backward, and the step is host-bound at
+    2048 tokens: one region per TTT step (before commit e2b6822 there were four: the layer's halves around an
+    eager attention call that ran its own compiled flex kernel, and the norm)."""
+    draft.ttt_block = torch.compile(draft.ttt_block, dynamic=False)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (a directory is finished once renamed into place)."""
+    root = out / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    return sorted(dirs, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def _draft_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("draft."): v for k, v in model_state.items() if k.startswith("draft.")}
+
+
+def save_output(path: Path, cfg, state: dict[str, torch.Tensor], *, verifier_name: str, architectures: list[str],
+                ttt_steps: int) -> None:  # fmt: skip
+    """A speculators-format checkpoint (config.json + bf16 model.safetensors) from a draft state dict."""
+    from eyas.draft.checkpoint import save_draft
+    from eyas.draft.model import Eagle3Draft
+
+    with torch.device("meta"):
+        skeleton = Eagle3Draft(cfg)
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    save_draft(path, skeleton, verifier_name_or_path=verifier_name, verifier_architectures=architectures,
+               ttt_steps=ttt_steps)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class Options:
+    """Hyperparameters and run controls (the stage function's flags, resolved)."""
+
+    epochs: int
+    lr: float
+    max_seq_len: int
+    seqs_per_micro_batch: int
+    grad_accum: int
+    ttt_steps: int
+    step_weights: list[float]
+    warmup_steps: int | None
+    schedule: str
+    weight_decay: float
+    clip: float
+    seed: int
+    optimizer: str
+    drop_out_of_vocab: bool
+    num_workers: int
+    save_every: int
+    keep_checkpoints: int
+    log_every: int
+    max_steps: int | None
+    profile_every: int
+    deferred_wgrad: bool = False
+    loss_chunk_tokens: int = CHUNK_TOKENS
+
+
+class _Timer:
+    """Step-phase timings with a device sync at each mark, only on profiled steps (a sync stalls the queue)."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device, self.enabled = device, enabled
+        self.ms: dict[str, float] = {}
+        if enabled and device.type == "cuda":
+            torch.cuda.synchronize(device)  # start with an idle device: the previous step's tail is not "data"
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[name] = self.ms.get(name, 0.0) + (now - self._t) * 1e3
+        self._t = now
+
+
+class Trainer:
+    """Runs the epochs: one instance per process, every rank the same code (rank 0 also writes)."""
+
+    def __init__(self, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
+                 layer_ids: list[int], o: Options, out: Path, rows_train: np.ndarray, rows_val: np.ndarray,
+                 lengths: np.ndarray, counts: np.ndarray, dist_mode: str, compiled: bool, fingerprint: str,
+                 save_meta: dict[str, Any], loader_embed: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.d, self.device, self.cfg, self.o, self.out = d, device, cfg, o, out
+        self.head, self.source, self.verifier, self.layer_ids = head, source, verifier_model, layer_ids
+        self.lengths, self.fingerprint, self.save_meta = lengths, fingerprint, save_meta
+        self.loader_embed = loader_embed  # the frozen embedding in host memory, looked up by the loader
+        self.cuda = device.type == "cuda"
+        self.compute_dtype = torch.bfloat16 if self.cuda else torch.float32
+        W, G = d.world_size, o.grad_accum
+        plan = dict(max_len=o.max_seq_len, seqs_per_micro_batch=o.seqs_per_micro_batch, seed=o.seed)
+        self.plans = [plan_epoch(rows_train, lengths, counts, epoch=e, shuffle=True, micro_batches_per_step=G * W,
+                                 **plan) for e in range(o.epochs)]  # fmt: skip
+        self.val_plan = plan_epoch(rows_val, lengths, counts, epoch=0, shuffle=False, micro_batches_per_step=W,
+                                   **plan) if len(rows_val) else []  # fmt: skip
+        self.total = sum(len(p) for p in self.plans)
+        if o.max_steps is not None:
+            self.total = min(self.total, o.max_steps)
+        self.warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.03 * self.total))
+        self.draft = draft
+        objective = TTTObjective(draft, ttt_steps=o.ttt_steps, step_weights=o.step_weights,
+                                 drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
+                                 compiled=compiled, deferred_wgrad=o.deferred_wgrad,
+                                 chunk_tokens=o.loss_chunk_tokens)  # fmt: skip
+        # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
+        # --loader-embeddings keeps in host memory onto the device (as it did before commit 936a0af)
+        objective.step_weights = objective.step_weights.to(device)
+        self.model, self.loss_factor = self._parallelize(objective, dist_mode)
+        self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
+                                           fused=not (self.d.active and dist_mode == "fsdp"))  # fmt: skip
+        for opt in self.optimizers:
+            if isinstance(opt, FusedAdamW):
+                opt.attach_working(draft)
+        self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.meter = Meter(o.ttt_steps, device)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+        self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.saved_step = -1
+        self.rates: list[tuple[int, float]] = []
+        self.timings: list[dict[str, float]] = []
+        self.last_train: dict[str, Any] | None = None
+        self.last_val: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _parallelize(self, objective: nn.Module, mode: str) -> tuple[nn.Module, float]:
+        """DDP averages gradients over ranks, so the loss (already a share of the global sum) is scaled by the
+        world size. FSDP2 is told to sum (divide factor 1, SUM-only collectives): its default averages on NCCL but
+        not on gloo (pytorch #162338), and its divide-factor path uses PREMUL_SUM, which gloo lacks."""
+        if not self.d.active:
+            return objective, 1.0
+        if mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.cuda else None
+            # frozen and the same on every rank (the verifier's): neither broadcast at start nor reduced; it may
+            # also live in host memory (--loader-embeddings), which DDP's one-device check would refuse
+            DDP._set_params_and_buffers_to_ignore_for_model(objective, ["draft.embed_tokens.weight"])
+            return DDP(objective, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True), float(
+                self.d.world_size
+            )
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+            if self.cuda else MixedPrecisionPolicy()  # fmt: skip
+        ignored = {objective.draft.embed_tokens.weight}  # frozen and used by lookup only: replicated, never gathered
+        # One FSDP unit: the layer runs once per TTT step, and a separately sharded module called several times in
+        # one forward would be reduce-scattered after its first backward. Weights, gradients and optimizer state
+        # are still sharded; only the forward holds the whole (single-layer) draft.
+        fully_shard(objective, mp_policy=mp, ignored_params=ignored)
+        objective.set_gradient_divide_factor(1.0)
+        objective.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM (and NCCL is zero-copy)
+        return objective, 1.0
+
+    @contextlib.contextmanager
+    def _sync(self, sync: bool) -> Iterator[None]:
+        """Gradient sync only on a step's last micro-batch."""
+        if not self.d.active or sync:
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(True)
+            yield
+        elif hasattr(self.model, "no_sync"):
+            with self.model.no_sync():
+                yield
+        else:
+            self.model.set_requires_gradient_sync(False)
+            yield
+
+    def _loader(self, steps: list[Step], grad_accum: int):
+        ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.o.max_seq_len,
+                      seqs=self.o.seqs_per_micro_batch, lengths=self.lengths, embed=self.loader_embed,
+                      ttt_steps=self.o.ttt_steps, chunk=self.o.loss_chunk_tokens)  # fmt: skip
+        w = self.o.num_workers
+        return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=w, pin_memory=self.cuda,
+                                           prefetch_factor=4 if w else None, worker_init_fn=_worker_init if w else None)  # fmt: skip
+
+    # ------------------------------------------------------------------ one step
+
+    def _features(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "aux" in mb:
+            return mb["aux"], mb["last"]
+        from eyas.verifier.load import forward_hidden_states
+
+        B, S = mb["input_ids"].shape
+        H = self.cfg.target_hidden_size or self.cfg.hidden_size
+        aux = torch.zeros(B * S, 3 * H, dtype=self.compute_dtype, device=self.device)
+        last = torch.zeros(B * S, H, dtype=self.compute_dtype, device=self.device)
+        if mb["row_ids"].shape[0]:
+            a, h = forward_hidden_states(self.verifier, mb["row_ids"], layer_ids=self.layer_ids,
+                                         attention_mask=mb["row_attn"])  # fmt: skip
+            aux[mb["dst"]] = a.reshape(-1, 3 * H)[mb["src"]].to(self.compute_dtype)
+            last[mb["dst"]] = h.reshape(-1, H)[mb["src"]].to(self.compute_dtype)
+        return aux.view(B, S, 3 * H), last.view(B, S, H)
+
+    def _forward(self, mb: dict[str, torch.Tensor], denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux, last = self._features(mb)
+        targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps, rows=mb.get("target_rows"))
+        with self.autocast:
+            return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
+                              targets.logits, targets.argmax, targets.in_vocab, denom,
+                              inputs_embeds=mb.get("inputs_embeds"), scored_rows=mb.get("scored_rows"))  # fmt: skip
+
+    def _to_device(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A loader item with its tensors (``denom`` and every micro-batch's) moved to the device."""
+        return dict(item, denom=item["denom"].to(self.device, non_blocking=True),
+                    micro_batches=[{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+                                   for mb in item["micro_batches"]])  # fmt: skip
+
+    def _prefetch(self, items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The loader's items with their tensors already on the device: on CUDA the next item's host-to-device
+        copies run on a side stream while the current step computes (a step's features are 16 bytes per
+        token and hidden unit, about 1 ms of copy per step at Llama-8B dims that the compute stream would wait
+        for)."""
+        if not self.cuda:
+            yield from map(self._to_device, items)
+            return
+        side = torch.cuda.Stream(self.device)
+
+        def load(item: dict[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event]:
+            side.wait_stream(torch.cuda.current_stream(self.device))  # its memory may be reused from this stream
+            with torch.cuda.stream(side):
+                moved = self._to_device(item)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            return moved, ready
+
+        nxt = next(items, None)
+        pending = load(nxt) if nxt is not None else None
+        while pending is not None:
+            item, ready = pending
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(ready)
+            for t in [item["denom"], *(v for mb in item["micro_batches"] for v in mb.values())]:
+                t.record_stream(compute)  # allocated on the side stream, used (and freed) on this one
+            nxt = next(items, None)
+            pending = load(nxt) if nxt is not None else None
+            yield item
+
+    def train_step(self, item: dict[str, Any], timer: _Timer) -> None:
+        """One optimizer step on an item from :meth:`_prefetch` (its tensors on the device)."""
+        denom, mbs = item["denom"], item["micro_batches"]
+        for i, mb in enumerate(mbs):
+            with self._sync(i == len(mbs) - 1):
+                loss, stats = self._forward(mb, denom)
+                timer.mark("forward")
+                (loss * self.loss_factor).backward()
+                timer.mark("backward")
+            self.meter.add(loss, stats)
+        gnorm = clip_gradients(self.params, self.optimizers, self.o.clip) if self.o.clip > 0 else None
+        f = lr_factor(self.global_step, total=self.total, warmup=self.warmup, schedule=self.o.schedule)
+        for opt, lrs in zip(self.optimizers, self.base_lrs):
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr * f
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
+        self.meter.add_step(gnorm, item["tokens"])
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any] | None:
+        if not self.val_plan:
+            return None
+        from tqdm.auto import tqdm
+
+        meter = Meter(self.o.ttt_steps, self.device)
+        items = self._prefetch(iter(self._loader(self.val_plan, 1)))
+        for item in tqdm(items, total=len(self.val_plan), desc="validate", unit="step", leave=False,
+                         disable=not self.d.is_main, dynamic_ncols=True):  # fmt: skip
+            for mb in item["micro_batches"]:
+                loss, stats = self._forward(mb, item["denom"])
+                meter.add(loss, stats)
+        return meter.collect(self.d)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizers,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        msd.pop("draft.embed_tokens.weight", None)  # frozen: the verifier's, restored from it
+        return msd, osd
+
+    def save(self, *, final: bool = False) -> None:
+        """A checkpoint (every rank gathers, rank 0 writes), atomically; older ones beyond the newest
+        ``keep_checkpoints`` are removed."""
+        from eyas.core.manifest import atomic_path
+
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        finite = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+        if self.d.active:
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        self._check({"finite": bool(finite)})
+        msd, osd = self._state()
+        if not self.d.is_main:
+            self.saved_step = self.global_step
+            self.d.barrier("checkpoint")
+            return
+        state = {
+            "format": STATE_FORMAT,
+            "fingerprint": self.fingerprint,
+            "model": msd,
+            "optimizer": osd,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else torch.zeros(0, dtype=torch.uint8),
+            # what the manifest reports: a run killed after its last checkpoint resumes with nothing left to do
+            "metrics": json.dumps({"train": self.last_train, "val": self.last_val, "rates": self.rates}),
+        }
+        self.saved_step = self.global_step
+        path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
+        try:
+            with atomic_path(path, is_dir=True) as tmp:
+                save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
+                torch.save(state, tmp / STATE_FILE)
+        except (OSError, RuntimeError) as e:  # a full disk reaches torch.save as a RuntimeError from its zip writer
+            free = shutil.disk_usage(self.out).free / 2**30
+            kept = checkpoint_dirs(self.out)
+            raise EyasError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {free:.1f} GiB free on its "
+                            "disk. Nothing half-written was left; "
+                            + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
+                            + "free space (or lower --keep-checkpoints) and rerun the same command to resume"
+                            ) from e  # fmt: skip
+        for old in checkpoint_dirs(self.out)[: -max(1, self.o.keep_checkpoints)]:
+            shutil.rmtree(old)
+        self.d.barrier("checkpoint")
+
+    def resume(self) -> Path | None:
+        """Load the newest checkpoint, if any (every rank reads it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        found = checkpoint_dirs(self.out)
+        if not found:
+            return None
+        path = found[-1]
+        try:
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise EyasError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {e}); remove {path} to resume "
+                            "from the checkpoint before it") from e  # fmt: skip
+        if state.get("format") != STATE_FORMAT:
+            raise EyasError(f"{path / STATE_FILE} has format {state.get('format')!r}, not {STATE_FORMAT!r}")
+        if state["fingerprint"] != self.fingerprint:
+            raise EyasError(f"{self.out} holds checkpoints of a run with other inputs or settings ({path.name}); "
+                            "rerun with the same flags to resume it, or choose another --out")  # fmt: skip
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+        self.global_step, self.epoch, self.step_in_epoch = state["global_step"], state["epoch"], state["step_in_epoch"]
+        self.saved_step = self.global_step
+        metrics = json.loads(state.get("metrics") or "{}")  # (checkpoints from before it was kept: none)
+        self.last_train, self.last_val = metrics.get("train"), metrics.get("val")
+        self.rates = [tuple(r) for r in metrics.get("rates", [])]
+        torch.set_rng_state(state["rng"])
+        if self.cuda and state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return path
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        return _draft_state(self._state()[0])
+
+    # ------------------------------------------------------------------ the loop
+
+    def _check(self, m: dict[str, Any]) -> None:
+        if not m["finite"]:
+            good = checkpoint_dirs(self.out)
+            raise EyasError(
+                f"the loss or gradient became nan/inf by step {self.global_step}; stopping. The last good checkpoint "
+                f"is {good[-1] if good else 'none (nothing was saved)'}. Lower --lr, raise --warmup-steps or check "
+                "the features (`eyas extract --verify`), then rerun the same command to resume from it"
+            )
+
+    def _log_train(self, log: RunLog, window_start: float) -> None:
+        m = self.meter.collect(self.d)
+        self._check(m)
+        seconds = time.perf_counter() - window_start
+        self.rates.append((m["tokens"], seconds))
+        rec = {"split": "train", "step": self.global_step, "epoch": self.epoch, "lr": self.optimizers[-1].param_groups[0]["lr"],
+               "grad_norm": m["grad_norm"], "tokens_per_s": m["tokens"] / max(seconds, 1e-9), **flat_metrics(m)}  # fmt: skip
+        if self.timings:
+            for name in ("data", "forward", "backward", "optimizer"):
+                rec[f"ms_{name}"] = sum(t.get(name, 0.0) for t in self.timings) / len(self.timings)
+        log.record(rec)
+        self.last_train = m
+
+    def _validate(self, log: RunLog) -> None:
+        log.status("validating")
+        self.last_val = self.validate()
+        log.status()
+        if self.last_val is not None:
+            log.record({"split": "val", "step": self.global_step, "epoch": self.epoch, **flat_metrics(self.last_val)})
+
+    def _save(self, log: RunLog) -> None:
+        log.status("writing checkpoint")  # seconds at real dims: fp32 weights and optimizer state, fsynced
+        self.save()
+        log.status()
+
+    def run(self) -> dict[str, Any]:
+        o = self.o
+        resumed = self.resume()
+        if resumed and self.d.is_main:
+            print(f"resuming from {resumed} (step {self.global_step}, epoch {self.epoch + 1})")
+        log = RunLog(self.out, enabled=self.d.is_main, total=self.total, start=self.global_step)
+        try:
+            while self.epoch < o.epochs and self.global_step < self.total:
+                steps = self.plans[self.epoch]
+                it = self._prefetch(iter(self._loader(steps[self.step_in_epoch :], o.grad_accum)))
+                window = time.perf_counter()
+                while self.step_in_epoch < len(steps) and self.global_step < self.total:
+                    timer = _Timer(self.device, bool(o.profile_every) and self.global_step % o.profile_every == 0)
+                    item = next(it)
+                    timer.mark("data")
+                    self.train_step(item, timer)
+                    if timer.enabled:
+                        self.timings.append(timer.ms)
+                    self.global_step += 1
+                    self.step_in_epoch += 1
+                    end = self.step_in_epoch == len(steps) or self.global_step == self.total
+                    save = not end and o.save_every > 0 and self.global_step % o.save_every == 0
+                    if save or end or self.global_step % o.log_every == 0:
+                        self._log_train(log, window)
+                        m = self.last_train
+                        log.advance({"loss": f"{m['loss_total']:.3f}", "acc0": f"{m['acc'][0]:.3f}",
+                                     "tau": f"{m['tau']:.2f}", "tok/s": f"{self.rates[-1][0] / max(self.rates[-1][1], 1e-9):,.0f}"})  # fmt: skip
+                        if save:
+                            self._save(log)
+                        window = time.perf_counter()
+                    else:
+                        log.advance()
+                del it
+                if self.step_in_epoch == len(steps):
+                    self._validate(log)
+                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                    self._save(log)
+            if self.saved_step != self.global_step:  # stopped by --max-steps mid-epoch: validate and save once more
+                self._validate(log)
+                self._save(log)
+        finally:
+            log.close()
+        return self._result()
+
+    def _result(self) -> dict[str, Any]:
+        rates = self.rates[1:] if len(self.rates) > 1 else self.rates  # the first window pays for compilation
+        out: dict[str, Any] = {
+            "steps": self.global_step,
+            "tokens_per_s": sum(t for t, _ in rates) / max(sum(s for _, s in rates), 1e-9),
+            "train": self.last_train,
+            "val": self.last_val,
+        }
+        if self.timings:
+            out["ms_per_step"] = {k: float(np.median([t.get(k, 0.0) for t in self.timings]))
+                                  for k in ("data", "forward", "backward", "optimizer")}  # fmt: skip
+        if self.cuda:
+            out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+
+def _worker_init(_worker_id: int) -> None:
+    torch.set_num_threads(1)  # loaders slice and copy; the compute threads belong to the trainer

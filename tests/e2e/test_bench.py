@@ -1,0 +1,142 @@
+"""The benchmark scripts still run (CPU smoke mode): they drive eyas' internals directly, so a refactor that
+breaks them should fail here, not on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("script,extra", [("extract_throughput.py", []),
+                                          ("train_throughput.py", ["--torch-profile", "2"])])  # fmt: skip
+def test_bench_smoke(tmp_path, script, extra):
+    args = [sys.executable, str(BENCH / script), "--smoke", *extra]
+    if script == "train_throughput.py":
+        args += ["--workdir", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["smoke"] is True if "smoke" in result else result["preset"] == "smoke"
+    if script == "extract_throughput.py":
+        (run,) = result["extract"].values()
+        assert run["fp8"]["bytes_per_token"] < run["bf16"]["bytes_per_token"] and run["bf16"]["tokens_per_s"] > 0
+        assert run["bf16"]["loop_tokens_per_s"] >= run["bf16"]["tokens_per_s"]
+    else:
+        assert result["steps"] == 6 and result["tokens_per_s"] > 0
+        assert result["deferred_wgrad"] is True  # the default resolved by train() (working weights, no checkpointing)
+        assert not list((tmp_path / "smoke").glob("eyas-*"))  # the run's output removed after the measurement
+        assert "torch.profiler" in r.stderr
+        lines = r.stderr.splitlines()
+        host = json.loads(lines[lines.index("=== what the host dispatches") + 1])
+        assert host["steps"] == 2 and host["eager_ops_per_step"] > 0 and host["host_ms_per_step"] > 0
+
+
+def _json_lines(args: list[str], cwd: Path) -> list[dict]:
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_loss_kernel_variants_equal_fp64(tmp_path):
+    """Every compile setting bench/loss_kernel.py compares gives the fp64 reference's KL, gradient and argmax."""
+    rows = _json_lines([str(BENCH / "loss_kernel.py"), "--rows", "48", "--vocab", "1000", "--iters", "1"], tmp_path)
+    assert {r["variant"] for r in rows} == {"eager", "dynamic", "dynamic-nosplit", "static", "static-nosplit", "eyas"}
+    for r in rows:  # bf16 inputs: the differences are bf16 rounding
+        assert r["argmax_equal"] and r["kl_err"] < 1e-4 and r["grad_err"] < 1e-2, r
+
+
+def test_attention_kernel_smoke(tmp_path):
+    rows = _json_lines([str(BENCH / "attention_kernel.py"), "--smoke"], tmp_path)
+    assert [r["variant"] for r in rows] == ["flex", "flex-tma", "flex-rows-safe", "flex-strided"]
+    assert all("error" not in r and r["fwd_ms"] > 0 for r in rows), rows
+
+
+def test_adamw_kernel_smoke(tmp_path):
+    rows = _json_lines([str(BENCH / "adamw_kernel.py"), "--smoke"], tmp_path)
+    assert [r["variant"] for r in rows] == ["torch-fused+refresh", "eyas-fused"]
+    assert all(r["ms"] > 0 and r["params"] == 57600 for r in rows), rows
+
+
+def test_scored_positions_counts_prompts_and_padding(tmp_path, make_tiny):
+    """bench/scored_positions.py on hand-made rows: half of each row is prompt, so about half the positions are
+    scored, and with chunks of 16 the loss runs on fewer rows than all."""
+    import tiny
+
+    rows = [(list(range(3, 43)), [0] * 20 + [1] * 20) for _ in range(12)]  # 40 tokens, the last 20 answer
+    prepared = tiny.write_prepared(tmp_path / "prepared", rows, verifier=make_tiny("llama").path)
+    out = _json_lines([str(BENCH / "scored_positions.py"), "--data", str(prepared), "--settings", "64:128",
+                       "--chunks", "16", "1024"], tmp_path)  # fmt: skip
+    by_chunk = {r["chunk"]: r for r in out}
+    assert 0.3 < by_chunk[16]["scored_share"] < 0.5  # 18-20 of each 40-token document, packing padding aside
+    assert by_chunk[16]["scored_share"] <= by_chunk[16]["loss_rows_share"] < 1.0
+    assert by_chunk[1024]["loss_rows_share"] == 1.0  # 128 positions: one chunk either way
+
+
+def test_regenerate_throughput_smoke(tmp_path):
+    """bench/regenerate_throughput.py drives the engine and transformers' static-cache generate on the same
+    prompts; on the tiny greedy model both count the same tokens up to each answer's end of turn."""
+    rows = _json_lines([str(BENCH / "regenerate_throughput.py"), "--smoke"], tmp_path)
+    by = {r.get("method"): r for r in rows if "method" in r}
+    assert set(by) == {"engine", "hf-static"} and all("error" not in r for r in by.values()), rows
+    assert by["engine"]["tokens"] == by["hf-static"]["tokens"] > 0
+    assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
+
+
+def test_quality_results_gathers_a_run_from_its_stage_outputs(made, tmp_path):
+    """bench/quality_results.py on a quality.sh-shaped run folder made of real stage outputs (regenerate,
+    prepare, vocab, a trained draft, an eval at K = 2 and 3): every figure comes from those files."""
+    from eyas.cli import main
+
+    run = tmp_path / "q"
+    (run / "logs").mkdir(parents=True)
+    for name, src in (("regen", made.regenerated), ("prep", made.prepared), ("vocab", made.vocab),
+                      ("draft_lr1e-3", made.draft)):  # fmt: skip
+        (run / name).symlink_to(src)
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["Hi there.", "And again?"]}) + "\n")
+    assert main(["eval", "--verifier", made.verifier, "--draft", str(made.draft), "--prompts", str(prompts),
+                 "--max-new-tokens", "5", "--draft-tokens", "2,3", "--out", str(run / "eval_mtbench.json")]) == 0
+    (run / "logs" / "seconds.txt").write_text("regenerate 30\nregenerate 90\ntrain 60\n")  # two calls, then one
+    out = tmp_path / "quality.json"
+    r = subprocess.run([sys.executable, str(BENCH / "quality_results.py"), str(run), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    report = json.loads((run / "eval_mtbench.json").read_text())
+    assert set(got["eval"]["mt-bench"]) == {"K=2", "K=3"}
+    k2 = got["eval"]["mt-bench"]["K=2"]
+    assert k2["tau"] == report["by_draft_tokens"]["2"]["tau"] and k2["num_prompts"] == 1
+    assert k2["lossless"] is True and len(got["eval"]["mt-bench"]["K=3"]["acceptance_per_position"]) == 3
+    manifest = json.loads((made.draft / "manifest.json").read_text())
+    assert got["train"]["runs"][0]["val_tau"] == manifest["outputs"]["val"]["tau"]
+    regenerated = json.loads((made.regenerated / "manifest.json").read_text())
+    assert got["regenerate"]["new_tokens"] == regenerated["outputs"]["new_tokens"]
+    assert got["minutes_per_stage"] == {"regenerate": 2.0, "train": 1.0} and got["complete"] is False
+    assert "mt-bench K=2: tau" in r.stdout
+
+
+def test_eval_speedup_smoke(tmp_path):
+    """bench/eval_speedup.py (eval's loops against transformers' static-cache generate): the same engine's
+    speculative and plain loops agree token for token on a tiny random Llama, and the summary names the
+    baseline it divides by."""
+    rows = _json_lines([str(BENCH / "eval_speedup.py"), "--smoke"], tmp_path)
+    runs = [r for r in rows if "mode" in r]
+    assert runs and all(r["lossless"] is True and r["tokens_per_s"] > 0 for r in runs), runs
+    assert rows[-1]["summary"] and rows[-1]["speedup"] > 0 and rows[-1]["baseline"]
+
+
+def test_int4_memory_smoke(tmp_path):
+    """bench/int4_memory.py at tiny dims: the packed int4 verifier holds fewer bytes than the dequantized one,
+    its states agree within int4 tolerance, and eyas plan's prediction is within a few percent of both."""
+    rows = _json_lines([str(BENCH / "int4_memory.py"), "--smoke", "--workdir", str(tmp_path)], tmp_path)
+    (c,) = [r for r in rows if r.get("what") == "compare"]
+    assert c["resident_ratio"] < 1 and c["aux_rel_diff"] < 0.05 and c["last_rel_diff"] < 0.05
+    by = {r["what"]: r for r in rows}
+    assert abs(c["plan_packed_bytes"] / sum(by["packed"]["resident_bytes"].values()) - 1) < 0.05
+    assert abs(c["plan_bf16_bytes"] / sum(by["dequantized"]["resident_bytes"].values()) - 1) < 0.05

@@ -1,0 +1,168 @@
+"""Each stage is one typed config (`eyas.core.config`): the command's flags, an `eyas run` section and the Python keyword
+function are all made from its fields, so they cannot drift apart, and a value is checked the same way wherever
+it comes from."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import typing
+from pathlib import Path
+
+import pytest
+
+from eyas.cli import COMMANDS, _load, build_parser, flag_names
+from eyas.core.config import default_of, type_hints
+from eyas.core.errors import EyasError
+from eyas.pipeline import PIPELINE, check
+from eyas.core.validate import RANGES, unwrap_optional
+
+CONFIGS = {name: _load(target) for name, (target, _, _) in COMMANDS.items()}
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_flags_are_the_config_fields_each_with_help(command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100000")  # (argparse wraps at hyphens: one line a flag)
+    config = CONFIGS[command]
+    actions = [a for a in _subparser(command)._actions if not isinstance(a, argparse._HelpAction)]
+    fields = dataclasses.fields(config)
+    assert sorted({a.dest for a in actions}) == sorted(f.name for f in fields)
+    for a in actions:
+        assert a.help and len(a.help) > 10, (command, a.dest)
+    flags = {s for a in actions for s in a.option_strings}
+    for f in fields:
+        assert set(flag_names(f)) <= flags, (command, f.name)
+    help_text = " ".join(_subparser(command).format_help().split())
+    for f in fields:  # every field's help, whole, on `eyas COMMAND --help`
+        assert " ".join(f.metadata["help"].split()) in help_text, (command, f.name)
+
+
+#: The Python function of each command.
+FUNCTIONS = {"inspect": "eyas.verifier.info:inspect", "plan": "eyas.stages.plan:plan",
+             "regenerate": "eyas.stages.regenerate:regenerate", "prepare": "eyas.stages.prepare:prepare", "vocab": "eyas.stages.vocab:vocab", "extract": "eyas.stages.extract:extract",
+             "train": "eyas.stages.train:train", "export": "eyas.stages.export:export", "eval": "eyas.stages.evaluate:evaluate",
+             "run": "eyas.pipeline:run", "demo": "eyas.pipeline:demo"}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_python_function_is_made_from_the_config(command):
+    """`eyas.stages.train.train(**kw)` and friends: their signatures and docs are the config's fields and defaults."""
+    config, fn = CONFIGS[command], _load(FUNCTIONS[command])
+    params = inspect.signature(fn).parameters
+    assert list(params) == [f.name for f in sorted(dataclasses.fields(config),
+                                                     key=lambda f: not f.metadata["positional"])]  # fmt: skip
+    for f in dataclasses.fields(config):
+        default = default_of(f)
+        assert params[f.name].default == (inspect.Parameter.empty if default is dataclasses.MISSING else default)
+        assert f"    {f.name}: {f.metadata['help']}" in fn.__doc__
+
+
+def test_one_name_one_meaning():
+    """A name shared by several stages has one range (the table in `eyas.core.validate`) and one type, except
+    `--dtype`, which names a different thing in each stage (stored features, compute, exported weights) and
+    says so in its help."""
+    kinds: dict[str, set] = {}
+    for config in CONFIGS.values():
+        for name, tp in type_hints(config).items():
+            base = unwrap_optional(tp)
+            kinds.setdefault(name, set()).add(typing.get_origin(base) or base)
+    differ = {n: k for n, k in kinds.items() if len(k) > 1}
+    assert set(differ) == {"dtype"}, differ
+    numeric = {n for n, k in kinds.items() if k <= {int, float}}
+    for name in ("ttt_steps", "batch_tokens", "max_seq_len", "epochs", "seed", "max_samples", "max_new_tokens"):
+        assert name in numeric and name in RANGES, name
+
+
+def test_python_api_values_are_checked_as_flags_are(make_tiny, tmp_path):
+    from eyas.stages.train import TrainConfig, train
+
+    with pytest.raises(EyasError, match=r"^--epochs must be at least 1, got 0$"):
+        TrainConfig(verifier="v", data="d", out="o", epochs=0)
+    with pytest.raises(EyasError, match=r"^--ttt-steps must be a whole number, got '3' \(a string\)$"):
+        train(verifier="v", data="d", out=str(tmp_path / "o"), ttt_steps="3")
+    with pytest.raises(TypeError, match="epoch"):
+        train(verifier="v", data="d", out="o", epoch=1)
+    c = TrainConfig(verifier="v", data="d", out=Path("o"), lr=1)  # a path is a string; an int where a float goes
+    assert c.out == "o" and c.lr == 1.0 and isinstance(c.lr, float)
+    assert not (tmp_path / "o").exists()
+
+
+def _baseline(stage: str) -> dict[str, object]:
+    """The least a section needs to pass the check (the pipeline wires data and out)."""
+    return {"prepare": {"data": "sharegpt"}, "regenerate": {"data": "mt-bench"}, "eval": {"prompts": "mt-bench"}}.get(
+        stage, {})
+
+
+def _wrong(tp) -> object:
+    """A value of the wrong type for a field annotated ``tp``."""
+    base = unwrap_optional(tp)
+    if base is bool:
+        return "yes"
+    if base in (int, float) or typing.get_origin(base) in (list, tuple):
+        return "many"
+    if typing.get_origin(base) is typing.Literal:
+        return "none-of-these"
+    return 7  # a string (or a path, or a dict) field given a number
+
+
+def _toml(value) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value).lower()
+
+
+def _section_cases():
+    for stage, _ in PIPELINE:
+        config = CONFIGS[stage]
+        yield stage, "not_a_field", 1, f"[{stage}] not_a_field is not an argument of `eyas {stage}`"
+        for name, tp in type_hints(config).items():
+            yield stage, name, _wrong(tp), f"[{stage}] {name} must be "
+
+
+@pytest.mark.parametrize("stage, key, value, message", list(_section_cases()))
+def test_a_section_key_unknown_or_of_the_wrong_type_is_refused_by_name(tmp_path, stage, key, value, message):
+    body = "".join(f"{k} = {_toml(v)}\n" for k, v in {**_baseline(stage), key: value}.items())
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "smollm2"\n[{stage}]\n{body}')
+    with pytest.raises(EyasError) as e:
+        check(str(cfg))
+    assert str(e.value).startswith(f"{cfg}: {message}") and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_good_section_is_its_stage_config(tmp_path):
+    """What `eyas run` hands each stage is the same config the command line makes."""
+    from eyas.stages.train import TrainConfig, run
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "smollm2"\n[train]\nepochs = 2\nlayers = [1, 2, 3]\n')
+    _, root, [(name, stage, config)] = check(str(cfg))
+    assert (name, stage) == ("train", run) and isinstance(config, TrainConfig)
+    assert (config.epochs, config.layers, config.data, config.verifier) == (2, [1, 2, 3], str(root / "features"),
+                                                                              "smollm2")  # fmt: skip
+
+
+@pytest.mark.parametrize("stage, section, message", [
+    ("train", "max_seq_len = 4\nttt_steps = 3", "--max-seq-len >= ttt_steps + 2"),
+    ("train", "max_seq_len = 64\nbatch_tokens = 100", "--batch-tokens 100 must be a multiple of --max-seq-len 64"),
+    ("train", "drop_out_of_vocab = true\nfull_vocab_accuracy = false", "--drop-out-of-vocab needs"),
+    ("train", "layers = [2, 2, 5]", "--layers must list three distinct layer ids"),
+    ("extract", "layers = [1, 2]", "--layers must list three distinct layer ids"),
+    ("extract", 'device = "cpu"\ndevice_map = "auto"', "give either --device or --device-map"),
+    ("regenerate", 'data = "mt-bench"\nmax_new_tokens = 64\nmax_seq_len = 64', "leaves no room for a prompt"),
+    ("regenerate", 'data = "mt-bench"\nserver = "http://h/v1"\ndevice_map = "auto"', "--device-map loads"),
+])  # fmt: skip
+def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, stage, section, message):
+    """A config's rules between its fields hold wherever it is made: in a section they stop `eyas run` before
+    the first stage, naming the file and the section."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "smollm2"\n[{stage}]\n{section}\n')
+    with pytest.raises(EyasError) as e:
+        check(str(cfg))
+    assert str(e.value).startswith(f"{cfg}: [{stage}] ") and message in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()

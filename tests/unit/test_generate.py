@@ -1,0 +1,206 @@
+"""The generation engine: continuous batching over slots equals transformers' own greedy ``generate`` token for
+token (fp32), for every verifier layout; memory is fixed by the budget, not by the prompts; seeded sampling
+follows the verifier's distribution and does not depend on which requests share a batch."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.engine.generate import BatchDecoder, Request, RequestQueue, decode_all, pick_tokens
+from eyas.engine.slots import key_bucket
+from eyas.verifier.load import build_text_model, resolve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EOS = {2}  # the tiny tokenizer's <|im_end|>
+
+
+def _hf_greedy(model, ids: list[int], new: int, eos: set[int]) -> list[int]:
+    """transformers' own greedy ``generate`` of one prompt (the independent reference), new tokens only."""
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
+                         eos_token_id=sorted(eos), pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def _prompts(n: int, *, seed: int = 0, longest: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(1, longest))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma", "deepseek_v3", "kimi_like"])
+def test_continuous_batching_equals_greedy_generate(make_tiny, name):
+    """13 prompts through 4 slots of 96 positions: prompts packed into shared prefills, slots refilled as
+    answers end (at an end-of-turn id, at max_new_tokens, or at the slot's capacity), the host reading tokens
+    every 3 steps. Every answer equals transformers' generate of that prompt alone."""
+    t = make_tiny(name)
+    model = build_text_model(resolve(t.path))
+    prompts = _prompts(13) + [[5] * 90]  # the last one fills its slot: cut at the capacity, 6 tokens in
+    reference = t.reference()
+    eos = EOS | {_hf_greedy(reference, prompts[0], 6, set())[4]}  # a token answers use: some end early, some not
+    reqs = [Request(key=i, tokens=p, max_new_tokens=20) for i, p in enumerate(prompts)]
+    got = decode_all(model, reqs, eos_ids=eos, max_len=96, batch_tokens=96 * 4, sync_every=3, prefill_tokens=100)
+    for p, c in zip(prompts, got):
+        want = _hf_greedy(reference, p, min(20, 96 - len(p)), eos)
+        assert c.tokens == want, f"{name}: prompt of {len(p)} tokens"
+        assert c.finished == (want[-1] in eos) and not c.too_long
+    assert any(c.finished for c in got) and not all(c.finished for c in got)
+
+
+def test_sliding_window_verifier(make_tiny):
+    """A Mistral with an 8-token window: keys past the window are masked in prefill and in every step."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=256)  # fmt: skip
+    model = MistralForCausalLM(cfg).eval()
+    prompts = [[1, 5, 9, 3], [7, 2, 2, 40, 11, 3, 9, 9, 12, 14, 15, 16, 17], [4] * 30]
+    got = decode_all(model, [Request(key=i, tokens=p, max_new_tokens=24) for i, p in enumerate(prompts)], eos_ids={0},
+                     max_len=64, batch_tokens=128)  # fmt: skip
+    for p, c in zip(prompts, got):
+        x = torch.tensor([p])
+        want = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24, eos_token_id=0,
+                              pad_token_id=0)[0, len(p) :].tolist()  # fmt: skip
+        assert c.tokens == want
+
+
+def test_a_prompt_that_does_not_fit_is_answered_as_too_long(make_tiny):
+    model = build_text_model(resolve(make_tiny("llama").path))
+    reqs = [Request(key="short", tokens=[5, 6, 7], max_new_tokens=4), Request(key="long", tokens=[5] * 64,
+            max_new_tokens=4)]  # fmt: skip
+    short, long = decode_all(model, reqs, eos_ids=EOS, max_len=64, batch_tokens=128)
+    assert long.too_long and long.tokens == [] and not short.too_long and len(short.tokens) >= 1
+
+
+def test_requests_pushed_while_running_are_answered():
+    """A caller pushes a follow-up request after each completion (a conversation's next turn); the loop
+    answers them too and stops only when nothing is waiting or decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    dec = BatchDecoder(model, eos_ids={0}, max_len=64, batch_tokens=128)
+    q = RequestQueue([Request(key=(i, 0), tokens=[i + 3, 4], max_new_tokens=5) for i in range(5)])
+    seen = []
+    for c in dec.run(q):
+        seen.append(c.key)
+        i, turn = c.key
+        if turn < 2:
+            q.push(Request(key=(i, turn + 1), tokens=[i + 3, 4] + c.tokens + [9], max_new_tokens=5))
+    assert sorted(seen) == [(i, t) for i in range(5) for t in range(3)]
+
+
+def test_key_buckets():
+    assert key_bucket(1, 4096) == 64 and key_bucket(65, 4096) == 128 and key_bucket(1000, 4096) == 1024
+    assert key_bucket(5000, 4096) == 4096 and key_bucket(40000, 65536) == 49152
+
+
+def test_sampling_follows_the_distribution_and_ignores_the_batch():
+    """Gumbel-max over counter-based noise: over 4000 seeds the samples of softmax(l / T) pass a chi-square test,
+    and a row's token depends only on its seed, position and logits, not on the rows beside it."""
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 2
+    T = 0.7
+    n = 4000
+    seeds = torch.arange(n)
+    toks = pick_tokens(logits.expand(n, -1), temperature=T, seed=seeds, position=torch.full((n,), 11))
+    counts = torch.bincount(toks, minlength=12).double()
+    p = torch.softmax(logits.double() / T, -1)
+    keep = p * n >= 5
+    stat = float((((counts - p * n) ** 2) / (p * n))[keep].sum())
+    df = int(keep.sum()) - 1
+    assert float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2))) > 1e-3
+    alone = pick_tokens(logits[None], temperature=T, seed=seeds[17:18], position=torch.tensor([11]))
+    assert int(alone) == int(toks[17])
+    moved = pick_tokens(logits.expand(3, -1), temperature=T, seed=torch.tensor([17, 17, 18]),
+                        position=torch.tensor([11, 12, 11]))  # fmt: skip
+    assert int(moved[0]) == int(toks[17]) and int(moved[2]) == int(toks[18])
+
+
+_PEAK = r"""
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import tiny
+from pathlib import Path
+from eyas.engine.generate import BatchDecoder, Request, RequestQueue
+from eyas.verifier.load import build_text_model, resolve
+torch.set_num_threads(1)
+model = build_text_model(resolve({path!r}))
+lengths = {lengths!r}
+reqs = [Request(key=i, tokens=[5 + i % 400] * n, max_new_tokens=8) for i, n in enumerate(lengths)]
+
+def vm(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak: it now counts the decoder and decoding only
+base = vm("VmRSS:")
+dec = BatchDecoder(model, eos_ids=set(), max_len={max_len}, batch_tokens={budget}, prefill_tokens={prefill})
+done = [c.too_long for c in dec.run(RequestQueue(reqs))]
+print(json.dumps({{"growth": vm("VmHWM:") - base, "kv": dec.kv_bytes, "too_long": sum(done)}}))
+"""
+
+
+def _peak(t, lengths: list[int], *, max_len: int, budget: int, prefill: int) -> dict:
+    code = _PEAK.format(tests=str(Path(__file__).parents[1]), path=str(t.path), lengths=lengths, max_len=max_len,
+                        budget=budget, prefill=prefill)  # fmt: skip
+    src = str(Path(__file__).parents[2] / "src")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={"PYTHONPATH": src, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                            "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak memory is read from Linux's /proc")
+def test_memory_follows_the_budget_not_the_prompts(make_tiny):
+    """Peak memory while decoding (Linux's high-water mark, reset after the model loads) with one budget: 24
+    short prompts, then 24 prompts filling their slots plus three of 100,000 tokens. The long ones cost no more
+    than the settings allow (the key/value buffers, fixed at the start, plus a prefill of at most
+    ``prefill_tokens``), and the prompts past the slots are refused, not decoded."""
+    t = make_tiny("llama")
+    kw = dict(max_len=1024, budget=16 * 1024, prefill=2048)
+    short = _peak(t, [8] * 24, **kw)
+    long = _peak(t, [1000] * 24 + [100_000] * 3, **kw)
+    assert long["too_long"] == 3 and short["too_long"] == 0
+    assert long["kv"] == short["kv"] == 16 * 1024 * 8 * 2 * 2 * 16 * 4  # slots x positions x layers x k,v x kvh x d x fp32
+    # a prefill's own working set: 2048 tokens of hidden states, MLP and scores of at most 2 prompts of 1024
+    prefill_bound = 2048 * (64 + 128 + 4 * 1024) * 4 * 4
+    assert long["growth"] <= long["kv"] + prefill_bound + (48 << 20), long
+    assert short["growth"] >= short["kv"]  # the buffers are real memory, allocated whatever the prompts
+
+
+def test_compiled_layers_equal_eager(make_tiny):
+    """Regional compilation (what the engine records into its CUDA graphs on a GPU): the decoder layers
+    compiled, the slot attention a graph break, hidden-state capture hooks outside: the same logits and the
+    same captured states as eager layers, for a decoding step of 3 rows at different positions."""
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+    from eyas.verifier.load import HiddenStateCapture
+
+    t = make_tiny("qwen3")
+    model = build_text_model(resolve(t.path))
+    slots = Slots(slots=3, capacity=64, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.tensor([[5], [9], [11]])
+    slots.start = torch.tensor([0, 3, 7])
+    slots.keys = 64
+    outs = []
+    for compiled in (False, True):
+        with slot_attention(model, slots), HiddenStateCapture(model, [1, 4]) as cap, torch.no_grad():
+            ctx = compiled_layers(model) if compiled else torch.enable_grad()  # (a no-op context under no_grad)
+            with ctx, torch.no_grad():
+                slots.begin()
+                logits = model(input_ids=ids, position_ids=slots.start[:, None], use_cache=False).logits
+            outs.append((logits, cap.aux()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
+    assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block
