@@ -21,30 +21,15 @@ from typing import Any, Callable, Literal
 from eyas.core.config import StageConfig, default_of, type_hints
 from eyas.core.errors import EyasError
 from eyas.core.validate import check_arguments, unwrap_optional
+from eyas.stages import STAGES
 
-# name -> (module:config, module:runner, one-line help). Positional arguments and extra flag names are the
-# config fields' own (`option(positional=..., aliases=...)`).
+# name -> (module:config, module:runner, one-line help): every stage of eyas.stages.STAGES, then the pipeline's
+# own two commands. Positional arguments and extra flag names are the config fields' own
+# (`option(positional=..., aliases=...)`).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "inspect": ("eyas.verifier.info:InspectConfig", "eyas.verifier.info:run", "describe a verifier checkpoint (dir, "
-                "GGUF or 'smollm2') without loading it"),
-    "plan": ("eyas.stages.plan:PlanConfig", "eyas.stages.plan:run", "from a verifier's config alone: its memory packed and in bf16, "
-             "GPUs, feature bytes, offline or online, GPU-hours"),
-    "regenerate": ("eyas.stages.regenerate:RegenerateConfig", "eyas.stages.regenerate:run", "answer a dataset's prompts with the "
-                   "verifier itself, for prepare (resumable)"),
-    "prepare": ("eyas.stages.prepare:PrepareConfig", "eyas.stages.prepare:run", "tokenize conversations with the verifier's chat template "
-                "and mask the assistant's tokens"),
-    "vocab": ("eyas.stages.vocab:VocabConfig", "eyas.stages.vocab:run", "choose the draft vocabulary from prepared rows (d2t.npy, "
-              "t2d.npy)"),
-    "extract": ("eyas.stages.extract:ExtractConfig", "eyas.stages.extract:run", "store the verifier's aux and last hidden states for "
-                "offline training (resumable, torchrun-ready, --verify DIR checks a result)"),
-    "train": ("eyas.stages.train:TrainConfig", "eyas.stages.train:run", "train the EAGLE-3 draft with training-time test, offline "
-              "or --online (resumable, torchrun-ready: DDP or FSDP2)"),
-    "export": ("eyas.stages.export:ExportConfig", "eyas.stages.export:run", "write a draft in the vLLM (speculators) or SGLang "
-               "(EAGLE) layout, or import an EAGLE/SpecForge/speculators draft"),
-    "eval": ("eyas.stages.evaluate:EvalConfig", "eyas.stages.evaluate:run", "measure a draft by real speculative decoding: tau, "
-             "acceptance, lossless, speedup"),
-    "run": ("eyas.pipeline:RunConfig", "eyas.pipeline:run_pipeline", "run the stages a TOML config lists, in order, "
-            "resumably"),
+    **{s.name: (s.config, s.runner, s.help) for s in STAGES},
+    "run": ("eyas.pipeline:RunConfig", "eyas.pipeline:run_pipeline",
+            "run the stages a TOML config lists, in order, resumably"),
     "demo": ("eyas.pipeline:DemoConfig", "eyas.pipeline:run_demo", "run the whole pipeline on SmolLM2 at CPU scale"),
 }  # fmt: skip
 

@@ -17,17 +17,7 @@ from typing import Any, Callable, ClassVar
 from eyas.core.config import StageConfig, changed, option, stage_function
 from eyas.core.errors import EyasError
 from eyas.core.validate import check_arguments
-
-#: The pipeline in order: section name and the stage's config (its module's ``run(config)`` runs it).
-PIPELINE: tuple[tuple[str, str], ...] = (
-    ("regenerate", "eyas.stages.regenerate:RegenerateConfig"),
-    ("prepare", "eyas.stages.prepare:PrepareConfig"),
-    ("vocab", "eyas.stages.vocab:VocabConfig"),
-    ("extract", "eyas.stages.extract:ExtractConfig"),
-    ("train", "eyas.stages.train:TrainConfig"),
-    ("export", "eyas.stages.export:ExportConfig"),
-    ("eval", "eyas.stages.evaluate:EvalConfig"),
-)
+from eyas.stages import PIPELINE
 
 
 def _wiring(stage: str, root: Path, sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -90,7 +80,7 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any]
         raise EyasError(f"config not found: {path}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path} is not valid TOML: {e}") from e
-    names = [name for name, _ in PIPELINE]
+    names = [s.name for s in PIPELINE]
     unknown = [k for k, v in cfg.items() if isinstance(v, dict) and k not in names]
     unknown += [k for k, v in cfg.items() if not isinstance(v, dict) and k not in ("out", "verifier")]
     if unknown:
@@ -103,10 +93,11 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any]
         raise EyasError(f"{path} has no stage section; add one or more of {names}")
     root = Path(cfg.get("out") or Path("runs") / path.stem)
     plan = []
-    for name, target in PIPELINE:  # check every section before the first stage runs
+    for s in PIPELINE:  # check every section before the first stage runs
+        name = s.name
         if name not in sections:
             continue
-        mod, _, cls = target.partition(":")
+        mod, _, cls = s.config.partition(":")
         module = importlib.import_module(mod)
         stage = getattr(module, cls)
         params = {f.name for f in dataclasses.fields(stage)}

@@ -15,8 +15,9 @@ import pytest
 from eyas.cli import COMMANDS, _load, build_parser, flag_names
 from eyas.core.config import default_of, type_hints
 from eyas.core.errors import EyasError
-from eyas.pipeline import PIPELINE, check
 from eyas.core.validate import RANGES, unwrap_optional
+from eyas.pipeline import check
+from eyas.stages import PIPELINE
 
 CONFIGS = {name: _load(target) for name, (target, _, _) in COMMANDS.items()}
 
@@ -117,7 +118,7 @@ def _toml(value) -> str:
 
 
 def _section_cases():
-    for stage, _ in PIPELINE:
+    for stage in (s.name for s in PIPELINE):
         config = CONFIGS[stage]
         yield stage, "not_a_field", 1, f"[{stage}] not_a_field is not an argument of `eyas {stage}`"
         for name, tp in type_hints(config).items():

@@ -108,7 +108,8 @@ def test_no_upward_or_sideways_import():
             if other not in modules:
                 bad.append(f"{module}:{line} imports eyas.{other}, which does not exist")
             elif theirs == mine:
-                if mine in SEALED and not other.endswith("__init__"):
+                # (the package's __init__ lists its stages by name, as strings: STAGES imports none of them)
+                if mine in SEALED and not other.endswith("__init__") and not module.endswith("__init__"):
                     bad.append(f"{module}:{line} imports eyas.{other}: stages meet only through files")
             elif FLOORS[theirs] >= FLOORS[mine] and theirs != "":
                 bad.append(f"{module}:{line} (floor {FLOORS[mine]}, {mine}) imports eyas.{other} "
