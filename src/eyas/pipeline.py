@@ -78,6 +78,8 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any]
         cfg = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise EyasError(f"config not found: {path}") from None
+    except IsADirectoryError:
+        raise EyasError(f"{path} is a folder: give `eyas run` a TOML file (see configs/ for examples)") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path} is not valid TOML: {e}") from e
     names = [s.name for s in PIPELINE]
@@ -107,12 +109,41 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any]
         args.update(sections[name])
         checked = check_arguments(stage, args, label=lambda k, s=name: f"[{s}] {k}", where=str(path))
         plan.append((name, module.run, checked))
+    # what each section writes: a stage's folder; eval's report, whose folder it does not own
     outs = [(Path(c.out).resolve(), n) for n, _, c in plan if getattr(c, "out", None)]
     for i, (out, n) in enumerate(outs):
         other = next((m for o, m in outs[:i] if o == out), None)
         if other:
             raise EyasError(f"{path}: [{other}] and [{n}] both write {out}; give each stage its own out")
+        inside = next(((o, m) for o, m in outs if m != n and o in out.parents), None)
+        if inside:
+            raise EyasError(f"{path}: [{n}] out {out} is inside {inside[0]}, the folder [{inside[1]}] writes; give "
+                            f"[{n}] an out of its own, outside it")  # fmt: skip
+    _check_inputs(path, plan, [o for o, _ in outs])
     return path, root, plan
+
+
+#: The arguments that name something a stage reads, and the names that are not paths (named sets, a random draft).
+_INPUTS = ("data", "prompts", "vocab", "draft", "offline", "chat_template")
+
+
+def _check_inputs(path: Path, plan: list, outs: list[Path]) -> None:
+    """Every input a section names exists, or is the output of a section: checked before the first stage, so a
+    missing ``[eval] prompts`` file is not found only after hours of training."""
+    from eyas.data.named_sets import NAMED_SETS
+
+    for name, _, c in plan:
+        for key in _INPUTS:
+            value = getattr(c, key, None)
+            if not isinstance(value, str) or not value or value in NAMED_SETS or (key == "draft" and value == "random"):
+                continue
+            if key == "chat_template" and not value.endswith((".jinja", ".j2", ".gguf")) and value.count("/") == 1:
+                continue  # a hub id whose template to use
+            p = Path(value).expanduser()
+            made = any(p.resolve() == o or o in p.resolve().parents for o in outs)
+            if not made and not p.exists():
+                raise EyasError(f"{path}: [{name}] {key} {value} not found (and no section writes it): fix the path "
+                                "before any stage runs")  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -46,6 +46,40 @@ def test_a_jsonl_line_that_is_not_utf8_is_one_malformed_row(made, tmp_path, caps
     assert report["problems"]["malformed"]["rows"] == [1]
 
 
+def test_regenerate_counts_and_names_the_rows_it_drops_and_reads_a_byte_order_mark(made, tmp_path, capsys):
+    """Ten lines in: the first behind a UTF-8 byte-order mark (some editors write one; it used to be a malformed
+    row), one not JSON, one not UTF-8, one with only a system turn. regenerate answers the seven prompts and says
+    what it dropped, with row numbers, as prepare does (it used to print "9 prompts" and nothing else); a .json
+    file behind a mark is read too."""
+    lines = [json.dumps({"turns": [f"Say {i}."]}).encode() for i in range(10)]
+    lines[0] = b"\xef\xbb\xbf" + lines[0]
+    lines[3] = b'{"turns": ["cut'
+    lines[5] = b'{"turns": ["caf\xe9"]}'
+    lines[8] = json.dumps({"messages": [{"role": "system", "content": "Be brief."}]}).encode()
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    capsys.readouterr()
+    assert cli_main(["regenerate", "--verifier", made.verifier, "--data", str(src), "--out", str(tmp_path / "r"),
+                     "--max-new-tokens", "2"]) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert "10 rows in the source, 7 prompts" in said, said
+    assert "malformed: 2 (" in said and "rows 3, 5" in said and "no_user_turn: 1 (" in said and "rows 8" in said
+    report = json.loads((tmp_path / "r" / "manifest.json").read_text())["report"]
+    assert report["problems"]["malformed"]["rows"] == [3, 5] and "c.jsonl:6 is not valid UTF-8" in str(report)
+    from eyas.data.datasets import load_prompts
+
+    (tmp_path / "c.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"turns": ["Hi."]}]).encode())
+    assert [p.turns for p in load_prompts(str(tmp_path / "c.json"))[0]] == [["Hi."]]
+
+
+def test_regenerate_on_system_only_rows_says_they_have_no_user_turn(made, tmp_path, capsys):
+    """It used to say the records lacked 'turns' or 'messages', which they have."""
+    src = tmp_path / "s.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."}]}) + "\n")
+    refused(capsys, ["regenerate", "--verifier", made.verifier, "--data", str(src), "--out", str(tmp_path / "r")],
+            str(src), "1 no_user_turn (row 0: only system turns)", alone=False)  # fmt: skip
+
+
 def test_a_json_file_that_is_not_utf8(made, tmp_path, capsys):
     src = tmp_path / "c.json"
     src.write_bytes(b"[" + b",".join(_jsonl_bytes()).replace(b"Blue", b"Bl\xe9ue") + b"]")

@@ -3,6 +3,7 @@ byte there as it was (the folder's other contents, another stage's output, an un
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -199,3 +200,111 @@ def test_another_stages_folder_is_refused_by_every_stage(stage, made, tmp_path):
             _run_stage(stage, made, out)
         assert str(out) in str(e.value) and f"`eyas {stage}` would replace it" in str(e.value)
         assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- files eyas did not write
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_refuses_a_verifier_folder_and_a_users_files(stage, made, tmp_path):
+    """A copy of the verifier checkpoint as --out (a typo of one argument for another), and a folder holding a
+    user's file: no manifest in either, so nothing there is the stage's; each is refused, naming the files, and
+    left byte for byte as it was (train and export used to replace the verifier's config.json and weights)."""
+    verifier = shutil.copytree(made.verifier, tmp_path / "verifier")
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("keep")
+    for out, named in ((verifier, "config.json"), (users, "notes.txt")):
+        before = tree(tmp_path)
+        with pytest.raises(EyasError, match="holds files eyas did not write") as e:
+            _run_stage(stage, made, out)
+        assert str(out) in str(e.value) and named in str(e.value) and "\n" not in str(e.value)
+        if stage in ("train", "export") and out == verifier:
+            assert f"`eyas {stage}` would replace config.json, model.safetensors" in str(e.value)
+        assert tree(tmp_path) == before
+
+
+def test_train_on_the_command_line_refuses_the_verifier_before_any_work(made, tmp_path, capsys):
+    """The command line checks --out with the other arguments: one line, exit 2, nothing read or written."""
+    verifier = shutil.copytree(made.verifier, tmp_path / "verifier")
+    before = tree(tmp_path)
+    refused(capsys, ["train", "--verifier", made.verifier, "--data", str(made.features), "--vocab", str(made.vocab),
+                     "--out", str(verifier), "--max-steps", "1", "--num-workers", "0"],
+            "--out", str(verifier), "config.json", "model.safetensors")  # fmt: skip
+    assert tree(tmp_path) == before
+
+
+def test_a_stopped_run_keeps_its_folder_and_a_clean_failure_leaves_it_as_new(made, tmp_path):
+    """A stage marks a new folder as its own while it works (a run stopped before its manifest can be rerun,
+    and another stage is refused there); a run that fails before writing anything leaves the folder empty."""
+    from eyas.core.manifest import MARK, StageOutput, check_out
+
+    out = tmp_path / "o"
+    out.mkdir()
+    with pytest.raises(EyasError, match="boom"), StageOutput(out, stage="vocab"):
+        raise EyasError("boom")
+    assert list(out.iterdir()) == []  # as it was: nothing written
+    with pytest.raises(KeyboardInterrupt), StageOutput(out, stage="vocab"):
+        (out / "d2t.npy").write_bytes(b"half of the work")
+        raise KeyboardInterrupt  # stopped after its first file, before its manifest
+    assert json.loads((out / MARK).read_text()) == {"stage": "vocab"}
+    check_out(out, stage="vocab")  # its own: a rerun finishes it
+    with pytest.raises(EyasError, match="holds the output of `eyas vocab`"):
+        check_out(out, stage="prepare")
+    _run_stage("vocab", made, out)
+    assert not (out / MARK).exists() and (out / "manifest.json").is_file()
+
+
+def test_a_dangling_link_as_out_is_one_line(made, tmp_path, capsys):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    refused(capsys, ["vocab", "--data", str(made.prepared), "--out", str(tmp_path / "link")], "link", "gone")
+    with pytest.raises(EyasError, match="does not exist"):
+        _run_stage("vocab", made, tmp_path / "link")
+
+
+# --------------------------------------------------------------------------- eval's report
+
+
+def test_eval_replaces_only_its_own_earlier_report(made, tmp_path, capsys):
+    """`eyas eval --out FILE` used to replace whatever FILE was: a verifier's config.json, a features manifest
+    (orphaning every shard), the draft's own config. Now those, a JSON file of the user's, a plot of the user's
+    where the histogram goes, and a report inside a stage's folder are refused before any decoding; a new path
+    is written and an earlier report (and its plot) replaced."""
+    verifier = shutil.copytree(made.verifier, tmp_path / "verifier")
+    features = shutil.copytree(made.features, tmp_path / "features")
+    draft = shutil.copytree(made.draft, tmp_path / "draft")
+    (tmp_path / "mine.json").write_text('{"tau": 3}')
+    (tmp_path / "r_accepted_lengths.png").write_bytes(b"a plot of mine")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["Say hi."]}\n')
+    a = ["eval", "--verifier", made.verifier, "--draft", str(draft), "--prompts", str(prompts), "--max-new-tokens",
+         "3", "--device", "cpu"]  # fmt: skip
+    before = tree(tmp_path)
+    for out, named in ((verifier / "config.json", "not an `eyas eval` report"),
+                       (features / "manifest.json", "holds the output of `eyas extract`"),
+                       (draft / "config.json", "holds the output of `eyas train`"), (features, "eyas extract"),
+                       (tmp_path / "mine.json", "not an `eyas eval` report"),
+                       (tmp_path / "r.json", "r_accepted_lengths.png")):  # fmt: skip
+        refused(capsys, [*a, "--out", str(out)], str(out), named)
+    assert tree(tmp_path) == before
+    with pytest.raises(EyasError, match="not an `eyas eval` report"):  # the Python call checks it too
+        from eyas.stages.evaluate import evaluate
+
+        evaluate(verifier=made.verifier, draft=str(draft), prompts=str(prompts), max_new_tokens=3, device="cpu",
+                 out=str(verifier / "config.json"))  # fmt: skip
+    assert tree(tmp_path) == before
+    for _ in range(2):  # a new path, then the same path again: its own earlier report and plot
+        assert cli_main([*a, "--out", str(tmp_path / "new.json")]) == 0
+    assert json.loads((tmp_path / "new.json").read_text())["histogram_png"].endswith("new_accepted_lengths.png")
+    assert {k: v for k, v in tree(tmp_path).items() if not k.startswith("new")} == before
+
+
+def test_run_refuses_an_eval_report_inside_another_sections_folder(make_tiny, tmp_path):
+    from eyas.pipeline import check
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out = "{tmp_path / "o"}"\nverifier = "{make_tiny("llama").path}"\n[vocab]\n'
+                   f'[eval]\nprompts = "mt-bench"\nout = "{tmp_path / "o" / "vocab" / "report.json"}"\n')  # fmt: skip
+    with pytest.raises(EyasError, match=r"\[eval\] out .*report.json is inside .*vocab, the folder \[vocab\] writes"):
+        check(str(cfg))
+    assert not (tmp_path / "o").exists()

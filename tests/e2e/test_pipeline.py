@@ -65,12 +65,21 @@ max_new_tokens = 8
     ("[vocab]\ndraft_vocab = 3\n", r"\[vocab\] draft_vocab is not an argument of `eyas vocab`"),
     ("speed = 3\n[vocab]\n", r"unknown key\(s\) \['speed'\]"),
     ("", "no stage section"),
+    ("[prepare]\ndata = 'DATA'\n[eval]\nprompts = 'PROMPTS.missing'\n",
+     r"\[eval\] prompts .*prompts.jsonl.missing not found \(and no section writes it\)"),
+    ("[vocab]\ndata = 'nowhere/prepared'\n", r"\[vocab\] data nowhere/prepared not found"),
 ])  # fmt: skip
 def test_bad_config_fails_before_any_stage(make_tiny, tmp_path, body, message):
     cfg = _config(tmp_path, make_tiny("llama").path, body)
     with pytest.raises(EyasError, match=message):
         run(str(cfg))
     assert not (tmp_path / "out").exists()
+
+
+def test_run_given_a_folder_is_one_line(tmp_path, capsys):
+    from stage_outputs import refused
+
+    refused(capsys, ["run", str(tmp_path)], str(tmp_path), "is a folder")
 
 
 def test_regenerate_section_feeds_prepare(make_tiny, tmp_path):

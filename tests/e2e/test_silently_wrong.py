@@ -143,3 +143,46 @@ def test_a_kill_during_the_final_write_keeps_the_final_metrics(made, tmp_path):
     assert first["train"] and first["val"]
     assert again["train"] == first["train"] and again["val"] == first["val"] and result["val"] == first["val"]
     assert again["steps"] == first["steps"] == 2 and (draft / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- a damaged output is not up to date
+
+
+@pytest.mark.parametrize("stage", ["prepare", "regenerate", "vocab", "extract", "train", "export"])
+def test_a_rerun_redoes_its_own_damaged_output_instead_of_skipping_it(stage, made, tmp_path, capsys):
+    """Cut a file of a finished output short and rerun the same command: it used to say "up to date; skipping"
+    while the next stage called the file damaged (a loop with no way out). The manifest records every file's size
+    and sha256; the rerun names the damaged file and does the work again, leaving a whole output."""
+    from test_data_loss import _own_output, _run_stage
+
+    from eyas.core.manifest import damaged_file
+
+    out = _own_output(stage, made, tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    name = max(manifest["files"], key=lambda f: manifest["files"][f]["bytes"])  # the weights, the rows, the shard
+    whole = (out / name).read_bytes()
+    (out / name).write_bytes(whole[: len(whole) // 2])
+    capsys.readouterr()
+    _run_stage(stage, made, out)
+    said = capsys.readouterr().out
+    assert f"{out} is damaged ({name} has {len(whole) // 2} bytes" in said and "skipping" not in said, said
+    again = json.loads((out / "manifest.json").read_text())
+    assert damaged_file(out, again) is None and set(again["files"]) == set(manifest["files"])
+    assert (out / name).stat().st_size == len(whole)
+
+
+def test_export_without_verifier_checks_the_aux_layers_against_the_one_the_draft_records(made, tmp_path, capsys):
+    """Aux layer 99 for an 8-layer verifier: export without --verifier used to write it for an engine to run. The
+    draft's training manifest records the verifier's layer count; without it, the verifier folder its config
+    names is read."""
+    draft = shutil.copytree(made.draft, tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [2, 4, 99]
+    (draft / "config.json").write_text(json.dumps(cfg))
+    before = tree(tmp_path)
+    refused(capsys, ["export", str(draft), "--out", str(tmp_path / "e")], "config.json", "[99]", "8 layers",
+            "manifest.json records")  # fmt: skip
+    (draft / "manifest.json").unlink()
+    refused(capsys, ["export", str(draft), "--out", str(tmp_path / "e")], "[99]", "8 layers", made.verifier)
+    assert {k: v for k, v in tree(tmp_path).items() if k != "draft/manifest.json"} == \
+        {k: v for k, v in before.items() if k != "draft/manifest.json"}  # fmt: skip

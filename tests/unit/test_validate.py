@@ -100,11 +100,16 @@ def test_out_naming_an_existing_file_in_every_writing_stage(made, tmp_path, caps
 
 
 def test_eval_out_may_name_its_report_file(made, tmp_path):
+    """An earlier report (recognised by its keys) may be replaced; any other JSON file may not."""
+    from eyas.stages.evaluate import EvalConfig
+    from eyas.core.manifest import REPORT_KEYS
+
     report = tmp_path / "report.json"
     report.write_text("{}")
     args = {"verifier": made.verifier, "draft": "random", "prompts": "p", "out": str(report)}
-    from eyas.stages.evaluate import EvalConfig
-
+    with pytest.raises(EyasError, match="is not an `eyas eval` report"):
+        check_arguments(EvalConfig, args)
+    report.write_text(json.dumps(dict.fromkeys(REPORT_KEYS, 1)))
     assert check_arguments(EvalConfig, args).out == str(report)
 
 

@@ -102,6 +102,7 @@ def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str]
     for name, value in values.items():
         if name in OUTPUTS and value is not None:
             _check_writable(Path(value), f"{at}{label(name)}", report_file=config.stage == "eval" and name == "out")
+            _check_owner(config.stage, name, Path(value), f"{at}{label(name)}")
         if name == "device" and value is not None:
             _check_device(str(value), f"{at}{label(name)}")
     try:
@@ -186,6 +187,17 @@ def _check_writable(path: Path, what: str, *, report_file: bool) -> None:
         raise EyasError(f"{what} {path}: {existing} is a file, so no folder can be made there: choose another")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise EyasError(f"{what} {path}: {existing} cannot be written by this user (read-only); choose another")
+
+
+def _check_owner(stage: str, name: str, path: Path, what: str) -> None:
+    """An output that would replace files eyas did not write (a verifier checkpoint, another stage's output, a
+    JSON file that is no eval report) is refused before any stage runs; see :func:`eyas.core.manifest.check_out`."""
+    from eyas.core.manifest import WRITES, check_out, check_report_out
+
+    if stage == "eval" and name == "out":
+        check_report_out(path, what=what)
+    elif name == "out" and stage in WRITES:
+        check_out(path, stage=stage, what=what)
 
 
 def _check_device(device: str, what: str) -> None:

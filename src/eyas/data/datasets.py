@@ -74,6 +74,7 @@ PROBLEMS = {
     "malformed": "not a conversation (bad JSON, or no list under 'conversations'/'messages'): row dropped",
     "unknown_role": "a turn with an unknown role: conversation cut before it",
     "empty_turn": "a turn with empty text: conversation cut before it",
+    "no_user_turn": "no user turn for the verifier to answer: row dropped",
     "non_string_content": "a turn whose content is not text: conversation cut before it",
     "role_order": "two turns in a row from the same side, or a system turn after the first: cut before it",
     "broken_tail": "the file ends inside a record: the records before it were kept",
@@ -196,7 +197,7 @@ def _open_bytes(path: Path) -> io.BufferedIOBase:
 
 
 def _open_text(path: Path) -> io.TextIOBase:
-    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8")
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig")  # a byte-order mark some editors write
 
 
 def _json_stream(path: Path, report: SourceReport, row0: int, chunk: int = 1 << 24) -> Iterator[tuple[int, Any]]:
@@ -249,7 +250,7 @@ def _jsonl(path: Path, report: SourceReport, row0: int) -> Iterator[tuple[int, A
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw.decode("utf-8"))
+                obj = json.loads(raw.decode("utf-8-sig" if line_no == 1 else "utf-8"))  # (a byte-order mark)
             except UnicodeDecodeError as e:
                 report.add("malformed", row, f"{path}:{line_no} is not valid UTF-8 ({e.reason} at byte {e.start})")
                 obj = _SKIPPED
@@ -438,9 +439,11 @@ def load_prompts(
         keep = sorted(random.Random(seed).sample(range(len(prompts)), max_samples))
         prompts = [prompts[i] for i in keep]
     if not prompts:
-        raise EyasError(
-            f"{report.source} holds no prompts (records need 'turns', 'prompt', 'conversations' or 'messages')"
-        )
+        dropped = "; ".join(f"{report.counts[k]} {k} ({(report.details.get(k) or [PROBLEMS.get(k, k)])[0]})"
+                            for k in sorted(report.counts))  # fmt: skip
+        raise EyasError(f"{report.source} holds no prompts: " + (
+            f"every row was dropped: {dropped}" if dropped else
+            "records need 'turns', 'prompt', or 'conversations'/'messages' with a user turn"))  # fmt: skip
     return prompts, report
 
 
@@ -461,7 +464,8 @@ def _prompt(obj: Any, row: int, report: SourceReport) -> Prompt | None:
             system = next((m["content"] for m in msgs if m["role"] == "system"), None)
             if users:
                 return Prompt(pid, users, system=system, category=cat)
-            report.add("empty_turn", row, "no user turn")
+            report.add("no_user_turn", row, "only " +
+                       (", ".join(sorted({m["role"] for m in msgs})) or "no") + " turns")  # fmt: skip
             return None
     report.add("malformed", row, "no 'turns', 'prompt', 'conversations' or 'messages'")
     return None

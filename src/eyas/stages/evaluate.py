@@ -130,7 +130,7 @@ class EvalConfig(StageConfig):
 
 def run(c: EvalConfig) -> dict[str, Any]:
     """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
-    from eyas.core.manifest import versions, write_json
+    from eyas.core.manifest import check_report_out, report_paths, versions, write_json
     from eyas.data.chat import chat_template_hash
 
     verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
@@ -139,6 +139,8 @@ def run(c: EvalConfig) -> dict[str, Any]:
     compile, baseline, recheck_fp32, trust_remote_code = c.compile, c.baseline, c.recheck_fp32, c.trust_remote_code
     chat_template = c.chat_template
 
+    if out:  # before any work: the report replaces only an earlier report, or nothing
+        check_report_out(out)
     Ks = list(dict.fromkeys(draft_tokens))
     if not Ks or min(Ks) < 1:
         raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
@@ -198,7 +200,8 @@ def run(c: EvalConfig) -> dict[str, Any]:
         report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
     if out:
-        json_path, png_path = _report_paths(out)
+        json_path, png_path = report_paths(out)
+        check_report_out(out)  # again: a file may have appeared there while eval ran
         name = "random draft" if report["draft_is_random"] else Path(str(draft)).name
         plot_histogram(png_path, report["accepted_length_histogram"], tau=report["tau"],
                        title=f"{name} on {Path(env['info'].path).name}, K={K}, T={temperature:g}")  # fmt: skip
@@ -213,14 +216,6 @@ evaluate = stage_function(EvalConfig, run, "evaluate")
 
 
 # --------------------------------------------------------------------------- the report
-
-
-def _report_paths(out: str | Path) -> tuple[Path, Path]:
-    """``--out report.json`` names the report (the histogram goes beside it); any other path is a directory."""
-    p = Path(out)
-    if p.suffix == ".json":
-        return p, p.with_name(p.stem + "_accepted_lengths.png")
-    return p / "report.json", p / "accepted_lengths.png"
 
 
 def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> None:

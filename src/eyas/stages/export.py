@@ -27,6 +27,7 @@ have can be evaluated or fine-tuned with eyas.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +48,7 @@ from eyas.draft.checkpoint import (
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.draft.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, human_bytes, read_json, sha256_file
+from eyas.core.manifest import MANIFEST, StageOutput, human_bytes, read_json, sha256_file
 from eyas.draft.model import DraftConfig
 from eyas.verifier.info import check_aux_layer_ids
 
@@ -147,6 +148,8 @@ def run(c: ExportConfig) -> dict[str, Any]:
         where = str(src / CONFIG)
         if info is not None:
             check_verifier(d.cfg, info, where=where)
+        else:
+            _check_recorded_verifier(d, src, where=where)
         _normalise_vocab_maps(d, where=str(sources[0]))
         tensors = _embeddings(d, info, include=include_embeddings)
         torch_dtype = DTYPES[dtype]
@@ -195,6 +198,27 @@ def check_verifier(cfg: DraftConfig, info: Any, *, where: str) -> None:
                         "this draft was made for another verifier")  # fmt: skip
     check_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers, final=True,
                         what=f"{where}: eagle_aux_hidden_state_layer_ids (for the verifier {info.path})")
+
+
+def _check_recorded_verifier(d: Draft, src: Path, *, where: str) -> None:
+    """Without --verifier, the aux layer ids are checked against the verifier the draft records: the layer count
+    its training manifest holds, else the checkpoint its config names, where that is a folder here."""
+    layers, of = None, None
+    try:
+        m = json.loads((src / MANIFEST).read_text())
+        layers = int(m["inputs"]["verifier"]["num_hidden_layers"]) if m.get("stage") == "train" else None
+        of = f"as {src / MANIFEST} records"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # no manifest, or not a training one
+        pass
+    if layers is None and d.verifier_name and Path(d.verifier_name).is_dir():
+        from eyas.verifier.info import resolve
+
+        with contextlib.suppress(EyasError):
+            layers, of = resolve(d.verifier_name).num_hidden_layers, f"{d.verifier_name}"
+    if layers is None:
+        return
+    check_aux_layer_ids(d.cfg.aux_layer_ids, layers, final=True,
+                        what=f"{where}: eagle_aux_hidden_state_layer_ids (for its verifier, {of})")  # fmt: skip
 
 
 def _normalise_vocab_maps(d: Draft, *, where: str) -> None:

@@ -336,6 +336,7 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             m = output.finish(
                 outputs={"rows": len(source.lengths), "tokens": tokens, "bytes": nbytes,
                          "bytes_per_token": nbytes / max(tokens, 1), "shards": ordered},
+                hashed={x["file"]: x["sha256"] for x in ordered},  # hashed as they were written
                 format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=dtype, hidden_size=H,
                 num_rows=len(source.lengths), verifier_path=info.path, data_path=str(data),
             )  # fmt: skip

@@ -217,7 +217,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                             "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip
                 shutil.rmtree(parts.parent, ignore_errors=True)
-                _print_summary(out_dir, outputs)
+                _print_summary(out_dir, outputs, report)
                 return m
 
             return d.run_on_main(finish)
@@ -437,11 +437,16 @@ class ServerBackend:
             self.server.close()
 
 
-def _print_summary(out_dir: Path, o: dict[str, Any]) -> None:
+def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:
     print(
-        f"regenerate: {o['prompts']:,} prompts, {o['conversations']:,} conversations with {o['answers']:,} answers "
-        f"by the verifier -> {out_dir / CONVERSATIONS}\n  {o['new_tokens']:,} new tokens; "
+        f"regenerate: {o['rows_in']:,} rows in the source, {o['prompts']:,} prompts, {o['conversations']:,} "
+        f"conversations with {o['answers']:,} answers by the verifier -> {out_dir / CONVERSATIONS}\n"
+        f"  {o['new_tokens']:,} new tokens; "
         f"{o['cut_at_max_new_tokens']:,} answers cut at --max-new-tokens, {o['empty_answers']:,} empty, "
-        f"{o['prompt_too_long']:,} turns past --max-seq-len\n"
-        f"  next: eyas prepare --verifier ... --data {out_dir} --out ..."
+        f"{o['prompt_too_long']:,} turns past --max-seq-len"
     )
+    lines = report.summary_lines()
+    if lines:  # as prepare reports them
+        print("  dropped or noted (rows are numbered from 0 in the source):")
+        print("\n".join(lines))
+    print(f"  next: eyas prepare --verifier ... --data {out_dir} --out ...")
