@@ -184,7 +184,7 @@ def test_config_without_a_verifier(made, tmp_path, capsys):
 
 def test_config_numbers_are_normalised(made, tmp_path):
     """An int where a float belongs is taken (TOML's `lr = 1` is 1.0); the plan holds the checked values."""
-    cfg = _config(tmp_path, made, f'[prepare]\ndata = "{made.conversations}"\n[train]\nlr = 1\nepochs = 2\n')
+    cfg = _config(tmp_path, made, f'[prepare]\ndata = "{made.conversations}"\n[train]\nonline = true\nlr = 1\nepochs = 2\n')
     _, _, plan = check(str(cfg))
     train = dict((n, c) for n, _, c in plan)["train"]
     assert train.lr == 1.0 and isinstance(train.lr, float) and train.epochs == 2
