@@ -47,8 +47,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/eyas demo
 
+# One pytest-xdist worker per core (tests/conftest.py gives each one thread); WORKERS=0 runs in one process.
+WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
 # ruff's lint (pyproject.toml [tool.ruff]): undefined and unused names, syntax-level errors.
 lint: setup
@@ -67,7 +69,7 @@ $(MIN_VENV)/.eyas-installed: pyproject.toml Makefile
 	touch $@
 
 test-min: $(MIN_VENV)/.eyas-installed
-	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(MIN_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist worksteal -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) runs .pytest_cache .hypothesis

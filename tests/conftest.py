@@ -13,6 +13,13 @@ import tiny  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here or in CI: a test that reaches for it fails fast
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest-xdist worker per core: each worker computes on one thread, so two workers
+    # share the two cores instead of four threads fighting over them.
+    import torch
+
+    torch.set_num_threads(1)
+
 
 #: speculators 0.9.0 and the few packages it needs, installed by `make setup` beside our torch (never into our
 #: site-packages: it pins transformers); tests run it in a subprocess with this dir on PYTHONPATH.

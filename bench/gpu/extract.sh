@@ -12,11 +12,15 @@
 #                                         dtype twice (first passes), and the disk's own fsync rate   about 5 min
 #   bash bench/gpu/extract.sh cold        (no carry) bench/gpu/cold_shapes.py: a forward, a matmul and SDPA on
 #                                         shapes seen and unseen, and a profile of one cold forward   about 3 min
-#   bash bench/gpu/extract.sh int4        (carry .whl: compressed-tensors, datasets) the device-map GPU tests (an
+#   bash bench/gpu/extract.sh int4        (carry .whl: compressed-tensors with pydantic and loguru)
+#                                         bench/int4_memory.py: a random int4 MoE checkpoint of Kimi-K2.5's layer
+#                                         dims (18B weights, 12 GB packed) loaded packed against the same model in
+#                                         bf16: memory, extract's and online training's forward, decoding with CUDA
+#                                         graphs, the int4 kernels; prints $OUT/int4.json (COMMIT=... names the
+#                                         commit measured)                                            about 2.5 min
+#   bash bench/gpu/extract.sh int4-tests  (carry .whl: compressed-tensors, datasets) the device-map GPU tests (an
 #                                         int4 Kimi-like verifier split between the GPU and host memory against one
-#                                         GPU, for extraction and --online training), then bench/int4_memory.py: a
-#                                         random 2.2B-weight int4 Kimi-like checkpoint packed against dequantized
-#                                                                                                     about 2 min
+#                                         GPU, for extraction and --online training)                  about 2 min
 #   bash bench/gpu/extract.sh devices     (kind nvidia-h200-x2, carry .whl) the same GPU tests on two GPUs: a
 #                                         verifier whose layers are split over both extracts what one GPU does
 # Any other verifier eyas resolves (the real SmolLM2 after generate.sh part0 and real: /tmp/g/*.gguf) goes after
@@ -26,7 +30,7 @@ source bench/gpu/common.sh
 mode=${1:-}
 V=${2:-random-smollm2}
 case "$mode" in
-  throughput|disk|cold|int4|devices) ;;
+  throughput|disk|cold|int4|int4-tests|devices) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
@@ -42,10 +46,15 @@ case "$mode" in
   cold)
     run cold timeout 200 python3 bench/gpu/cold_shapes.py
     cp "$OUT/cold.err" "$OUT/cold_profile.txt" ;;
-  int4|devices)
+  int4)
+    python3 -c "import compressed_tensors; print('compressed-tensors', compressed_tensors.__version__)" \
+      | tee -a "$OUT/status.txt"
+    run int4_memory timeout "${INT4_TIMEOUT:-300}" python3 bench/int4_memory.py --out "$OUT" \
+      --budget-s "${INT4_BUDGET_S:-240}" ${COMMIT:+--commit "$COMMIT"} ${INT4_ARGS:-}
+    cat "$OUT/int4.json" ;;
+  int4-tests|devices)
     python3 -c "import compressed_tensors, datasets; print('compressed-tensors', compressed_tensors.__version__,
 'datasets', datasets.__version__)" | tee -a "$OUT/status.txt"
-    run gpu_tests timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_device_map.py
-    [ "$mode" = int4 ] && run int4_memory timeout 240 python3 bench/int4_memory.py ;;
+    run gpu_tests timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_device_map.py ;;
 esac
 collect

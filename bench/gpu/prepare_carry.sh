@@ -53,7 +53,7 @@ import shutil
 from pathlib import Path
 
 from eyas.data.datasets import load_prompts, named_set_path
-from eyas.verifier.load import demo_verifier_path
+from eyas.verifier.locate import demo_verifier_path
 
 carry = Path(".carry")
 gguf = demo_verifier_path()

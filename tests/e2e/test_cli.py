@@ -17,6 +17,17 @@ def test_inspect_json(make_tiny, capsys):
     assert out["runnable"] is True
 
 
+def test_inspect_and_plan_take_verifier_as_every_stage_does(make_tiny, capsys):
+    """`--verifier` as extract, train and regenerate take it; the positional form stays."""
+    t = make_tiny("kimi_like")
+    assert main(["inspect", "--verifier", str(t.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text_model_type"] == "deepseek_v3"
+    assert main(["plan", "--verifier", str(t.path), "--tokens", "1000", "--disk", "1", "--json"]) == 0
+    by_flag = json.loads(capsys.readouterr().out)
+    assert main(["plan", str(t.path), "--tokens", "1000", "--disk", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verifier_bytes_bf16"] == by_flag["verifier_bytes_bf16"] > 0
+
+
 def test_inspect_table(make_tiny, capsys):
     assert main(["inspect", str(make_tiny("llama_tied").path)]) == 0
     out = capsys.readouterr().out

@@ -64,7 +64,8 @@ def test_every_int4_weight_stays_packed(int4, name):
     assert set(packed) == _quantized_modules(t) and packed
     for n, m in packed.items():
         assert "weight" not in m._parameters and m.weight_packed.dtype == torch.int32, n
-        assert resident_bytes(m)["cpu"] <= PACKED_RATIO * m.in_features * m.out_features * 2, n
+        held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # views of a stack too
+        assert held <= PACKED_RATIO * m.in_features * m.out_features * 2, n
     experts = [m for m in model.modules() if isinstance(m, PackedExperts)]
     assert len(experts) == (7 if name == "kimi_int4" else 0)  # layers 1..7 are MoE (first_k_dense_replace=1)
     before = resident_bytes(model)
@@ -173,3 +174,68 @@ def test_experts_in_another_layout_are_refused_with_the_way_out():
     model.mlp.experts = BiasedExperts()
     with pytest.raises(EyasError, match=r"mlp\.experts \(BiasedExperts\).*packed=False"):
         unfuse_experts(model)
+
+
+@pytest.mark.parametrize("tokens,dequant_bytes", [(5, 2 << 30), (5, 1), (40, 2 << 30), (40, 1)],
+                         ids=["routed-experts-gathered", "gathered-one-at-a-time", "grouped",
+                              "grouped-in-expert-groups"])  # fmt: skip
+def test_stacked_experts_compute_what_each_expert_computes(int4, tokens, dequant_bytes, monkeypatch):
+    """The stacked experts' grouped forward (fewer rows than experts: the routed experts gathered; more: all
+    dequantized and a grouped GEMM; a layer over the dequantization budget: groups of experts) equals the
+    per-expert forward (compressed-tensors' own decompression), expert-parallel sentinels included; the
+    stacked tensors are the experts' own storage, not a copy."""
+    model = build_text_model(resolve(int4("kimi_int4_wide").path), dtype=torch.float32)
+    experts = [m for m in model.modules() if isinstance(m, PackedExperts)]
+    assert experts and all(m.stacked for m in experts)
+    m = experts[0]
+    assert m[3].up_proj.weight_packed.untyped_storage().data_ptr() == m.gate_up_packed.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, m.hidden, generator=g)
+    index = torch.randint(0, m.num_experts, (tokens, 2), generator=g)
+    index[1, 0] = m.num_experts  # an expert held by another rank contributes nothing
+    weights = torch.rand(tokens, 2, generator=g)
+    monkeypatch.setattr(PackedExperts, "dequant_bytes", dequant_bytes)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, index, weights), m._per_expert(x, index, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_dequantization_matches_compressed_tensors(int4):
+    """eyas' int4 dequantization (shifts, fused on the GPU) reads compressed-tensors' packing as its own
+    decompressor does, for whole stacks of experts at once."""
+    from eyas.verifier.packed import dequantize_int4
+
+    model = build_text_model(resolve(int4("kimi_int4_wide").path), dtype=torch.float32)
+    m = next(m for m in model.modules() if isinstance(m, PackedExperts))
+    dense = dequantize_int4(m.gate_up_packed, m.gate_up_scale, m.group_size, torch.float32)
+    for e in (0, 7, m.num_experts - 1):
+        want = torch.cat([m[e].gate_proj.dense_weight(torch.float32), m[e].up_proj.dense_weight(torch.float32)])
+        torch.testing.assert_close(dense[e], want, rtol=0, atol=0)
+
+
+def test_int4_dequantization_compiled_form_equals_the_eager_one():
+    """The shifts that torch.compile fuses on the GPU read the words as compressed-tensors' unpacking does."""
+    from eyas.verifier.packed import _dequantize_int4, _dequantize_int4_eager
+
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (3, 16, 24 * 4), dtype=torch.uint8, generator=g).view(torch.int32)  # [3,16,24]
+    scale = torch.rand(3, 16, 24 * 8 // 32, generator=g, dtype=torch.bfloat16)
+    want = _dequantize_int4_eager(packed, scale, 32, torch.float32)
+    torch.testing.assert_close(_dequantize_int4(packed, scale, 32, torch.float32), want, rtol=0, atol=0)
+    assert want.shape == (3, 16, 192) and want.abs().max() > 0
+
+
+def test_a_moved_or_cast_model_stacks_its_experts_again(int4):
+    """``model.to(...)`` copies each expert's views on its own; the layer stacks them again, so the grouped
+    forward reads the moved weights and nothing is held twice."""
+    model = build_text_model(resolve(int4("kimi_int4_wide").path), dtype=torch.float32)
+    before = resident_bytes(model)["cpu"]
+    model.to(torch.float64)
+    m = next(m for m in model.modules() if isinstance(m, PackedExperts))
+    assert m.stacked and m.gate_up_scale.dtype == torch.float64
+    assert m[5].down_proj.weight_scale.untyped_storage().data_ptr() == m.down_scale.untyped_storage().data_ptr()
+    assert resident_bytes(model)["cpu"] > before  # the float tensors doubled in width, the int4 words did not
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, m.hidden, generator=g, dtype=torch.float64)
+    index, weights = torch.randint(0, m.num_experts, (40, 2), generator=g), torch.rand(40, 2, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, index, weights.double()), m._per_expert(x, index, weights.double()))

@@ -41,10 +41,17 @@ MEASURED = {
     "draft_tokens_per_s_4096": 64_910,
     # eyas train at commit b9c9719: DDP over two H200s at Llama-3.1-8B dims, 87.6% scaling efficiency.
     "ddp_efficiency": 0.876,
-    # int4 verifiers kept packed, at commit 245bc2c: the packed int4 Kimi-like verifier's backbone forward took
-    # this many times the dequantized one's (bench/int4_memory.py, one H200).
-    "packed_forward_slowdown": 1.0,
+    # int4 verifiers kept packed (eyas.verifier.packed), at commit d8c6450 (`bash bench/gpu/extract.sh int4`, one H200,
+    # torch 2.11, transformers 5.17): the backbone forward of a random int4 MoE verifier of Kimi-K2.5's layer
+    # dims (4 layers, 128 experts), 8 x 2048 tokens, took 313.8 ms packed (stacked experts, eager dequantization,
+    # grouped GEMM) against 200.9 ms for the same model in bf16 (transformers' grouped_mm experts): 81,570 over
+    # 52,210 tokens/s. At 4 x 1024 tokens it was 3.3x (every forward dequantizes every expert: a fixed cost).
+    "packed_forward_slowdown": 81_570 / 52_210,
 }
+
+#: The one public EAGLE-3 run at Kimi-K2.5's scale, beside which `eyas plan` prints its estimate: the
+#: Kimi-K2.5 draft, about 6B tokens (600k regenerated samples) in about 1,500 H200-hours (docs/SCALING.md).
+PUBLIC_KIMI_RUN = {"tokens": 6e9, "gpu_hours": 1500.0}
 
 #: Share of a GPU's memory the verifier's weights may take; the rest is left to activations, the CUDA
 #: context, and (online) the draft, which peaked at 12.97 GiB at Kimi-K2.5 dims (docs/BENCHMARKS.md, commit 912458c).
@@ -337,7 +344,8 @@ class PlanConfig(StageConfig):
 
     stage: ClassVar[str] = "plan"
 
-    verifier: str = option(positional=True, help="a checkpoint directory (config.json is enough).")
+    verifier: str = option(positional=True, aliases=(), help="a checkpoint directory (config.json is enough; "
+                                                             "positional, or --verifier as in every other stage).")
     tokens: int = option(help="training tokens (the prepared rows' tokens).")
     gpus: int = option(8, help="GPUs on the machine.")
     gpu_memory: float = option(141.0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
@@ -379,6 +387,7 @@ def run(c: PlanConfig) -> dict[str, Any]:
         "disk_bytes": disk_bytes, "mode": mode, "why": why,
         "feature_dtype": feature_dtype if mode == "offline" else None, "epochs": epochs, **cost, "measured": MEASURED,
     }  # fmt: skip
+    out["versus_public_kimi_run"] = versus_public_run(out, verifier_gpus=needed if fits else gpus)
     if json_out:
         print(json.dumps(out, indent=2))
     else:
@@ -387,6 +396,33 @@ def run(c: PlanConfig) -> dict[str, Any]:
 
 
 plan = stage_function(PlanConfig, run, "plan")
+
+
+def versus_public_run(p: dict[str, Any], *, verifier_gpus: int) -> dict[str, Any]:
+    """The estimate at the public Kimi-K2.5 run's token count (:data:`PUBLIC_KIMI_RUN`), how many times its
+    GPU-hours that is, and what would close the difference: each factor the estimate carries that a serving
+    engine's prefill would not (a device_map runs the verifier's layers one GPU at a time while it holds
+    ``verifier_gpus``; int4 weights dequantized every forward, :data:`MEASURED`), and the GPU-hours without
+    them. Whatever is left is the verifier's rate, measured on a small model (SmolLM2-135M)."""
+    hours = p["gpu_hours"]
+    scale = PUBLIC_KIMI_RUN["tokens"] / (p["tokens"] * p["epochs"])
+    ours = hours["total"] * scale
+    factors = []
+    if verifier_gpus > 1:
+        factors.append({"what": f"a device_map runs the verifier's layers one GPU at a time on {verifier_gpus} "
+                                "GPUs (a tensor-parallel serving engine keeps them all busy, docs/SCALING.md)",
+                        "factor": float(verifier_gpus)})  # fmt: skip
+    if p["quantization"] == "compressed-tensors" and MEASURED["packed_forward_slowdown"] > 1:
+        factors.append({"what": "int4 experts dequantized every forward (measured, docs/BENCHMARKS.md; an int4 "
+                                "MoE GEMM on the packed weights, as vLLM's Marlin MoE, avoids it)",
+                        "factor": round(MEASURED["packed_forward_slowdown"], 2)})  # fmt: skip
+    without = hours["verifier"] * scale
+    for f in factors:
+        without /= f["factor"]
+    without += hours["draft"] * scale / (verifier_gpus if p["mode"] == "online" else 1)
+    return {"gpu_hours": round(ours, 1), "times": round(ours / PUBLIC_KIMI_RUN["gpu_hours"], 2),
+            "factors": factors, "gpu_hours_without": round(without, 1),
+            "times_without": round(without / PUBLIC_KIMI_RUN["gpu_hours"], 2)}  # fmt: skip
 
 
 def _print_table(p: dict[str, Any]) -> None:
@@ -408,6 +444,15 @@ def _print_table(p: dict[str, Any]) -> None:
         ("estimate", f"{p['wall_hours']:,} h wall, {hours['total']:,} GPU-hours (verifier {hours['verifier']:,}, "
                      f"draft {hours['draft']:,}) at the rates of docs/BENCHMARKS.md"),
     ]  # fmt: skip
+    v = p["versus_public_kimi_run"]
+    public = PUBLIC_KIMI_RUN
+    rows.append(("public Kimi run", f"Kimi-K2.5's EAGLE-3 draft took about {public['gpu_hours']:,.0f} H200-hours for "
+                                    f"{public['tokens'] / 1e9:g}B tokens; this plan at {public['tokens'] / 1e9:g}B "
+                                    f"tokens: {v['gpu_hours']:,} GPU-hours ({v['times']}x)"))  # fmt: skip
+    if v["factors"]:
+        rows.append(("what closes it", "; ".join(f"{f['factor']:g}x: {f['what']}" for f in v["factors"])
+                     + f"; without these, {v['gpu_hours_without']:,} GPU-hours ({v['times_without']}x) at the "
+                       "verifier rate measured on SmolLM2-135M (docs/SCALING.md)"))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

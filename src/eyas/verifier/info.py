@@ -410,14 +410,15 @@ class InspectConfig(StageConfig):
 
     stage: ClassVar[str] = "inspect"
 
-    path: str = option(positional=True, help="a checkpoint directory, a .gguf file, 'smollm2' (the demo verifier) or "
-                                             "a hub id.")
+    verifier: str = option(positional=True, aliases=(), help="a checkpoint directory, a .gguf file, 'smollm2' (the "
+                                                             "demo verifier) or a hub id (positional, or --verifier "
+                                                             "as in every other stage).")
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
 
 def run(c: InspectConfig) -> dict[str, Any]:
     """Run `eyas inspect` as ``c`` describes (see :class:`InspectConfig`)."""
-    path, json_out = c.path, c.json_out
+    path, json_out = c.verifier, c.json_out
     info = resolve(path)
     summary = info.summary()
     if json_out:

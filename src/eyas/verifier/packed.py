@@ -28,11 +28,23 @@ So :func:`register` adds one quantizer to transformers through its documented ex
 3. drops the converters that would merge (and so dequantize) the per-expert tensors;
 4. turns each compressed Linear into a :class:`PackedLinear`, whose forward decompresses its weight with
    compressed-tensors' own compressor for that one matmul, and removes the whole-model decompression hook.
-   No int4 matmul kernel is used: torch's (``_weight_int4pack_mm``, CUDA) wants its own tile layout and
-   zero points, a conversion at load that is left for when the decompression's cost is measured.
+5. stacks each MoE layer's packed experts into one tensor per projection (the per-expert parameters become
+   views of it, so nothing is held twice) and computes the layer with grouped matmuls: the experts are
+   dequantized (compressed-tensors' unpacking) and multiplied by torch's grouped GEMM
+   (``torch.nn.functional.grouped_mm``, the kernel transformers' own ``grouped_mm`` experts use), with no host
+   synchronisation, so a decoding step is captured in a CUDA graph. Below one row per expert (decoding) only
+   the routed experts are dequantized (gathered by index) and multiplied with a batched matmul.
 
-Only the experts a token is routed to are decompressed in a forward. Under a ``device_map`` with CPU offload,
-accelerate's hooks move the packed tensors to the GPU, a quarter of the dense bytes.
+Measured on one H200 (docs/BENCHMARKS.md, "int4 verifiers"): the backbone forward at 0.64x bf16's tokens/s on
+16k-token batches of Kimi-K2.5's layer dims, 0.30x on 4k-token ones (all experts are dequantized each forward:
+a fixed cost, about 7 ms per billion expert weights); torch's int4 kernel (``_weight_int4pack_mm``, tinygemm,
+what torchao's int4 weight-only layout runs on CUDA) beats a bf16 matmul at 1-16 rows but runs 4x and 23x
+slower than it at 128 and 1,024 rows, so it does not serve this grouped path; compiling the dequantization
+(``COMPILE_DEQUANT``) measured slower than the eager unpacking.
+
+Under a ``device_map`` with CPU offload, accelerate's hooks move the packed tensors to the GPU, a quarter of the
+dense bytes; such a layer's experts are not stacked and run one expert at a time (compressed-tensors'
+decompression per matmul, only the experts a token is routed to).
 """
 
 from __future__ import annotations
@@ -102,6 +114,7 @@ def register() -> None:
             return super().update_weight_conversions(weight_conversions, *args, **kwargs)
 
         def _process_model_after_weight_loading(self, model, **kwargs: Any):
+            stack_experts(model)
             return model  # never decompress in place: PackedLinear decompresses per forward
 
     if METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
@@ -190,13 +203,25 @@ class PackedExperts(nn.ModuleList):
     """Per-expert modules in place of transformers' fused experts (``gate_up_proj [E, 2I, H]``,
     ``down_proj [E, H, I]``), computing what their eager forward computes: for each token, the sum over its
     top-k experts of ``weight * down(act(gate(x)) * up(x))``. Children are named ``0..E-1`` as in the
-    checkpoint (``experts.N.gate_proj``), so compressed-tensors compresses them like any Linear."""
+    checkpoint (``experts.N.gate_proj``), so compressed-tensors compresses them like any Linear.
+
+    Once loaded, :meth:`stack` gathers the children's packed int4 tensors into one tensor per projection and
+    the forward runs grouped (:meth:`_grouped`); a layer that cannot be stacked (offloaded by a device_map,
+    another format) runs one expert at a time (:meth:`_per_expert`)."""
+
+    #: Most bytes of experts dequantized at once (a temporary per forward); a layer larger than this runs its
+    #: experts in groups of this size, with one host synchronisation a layer (not in a CUDA graph).
+    dequant_bytes: int = 2 << 30
+    #: "grouped" (stacked int4, grouped GEMM) or "per-expert" (compressed-tensors' decompression, one expert
+    #: at a time); bench/int4_memory.py measures both.
+    kernel: str = "grouped"
 
     def __init__(self, fused: nn.Module) -> None:
         E, two_i, H = fused.gate_up_proj.shape
         dtype = fused.gate_up_proj.dtype
         super().__init__(_ExpertMLP(H, two_i // 2, fused.act_fn, dtype) for _ in range(E))
         self.num_experts = E
+        self.stacked = False
 
     @staticmethod
     def replaces(module: nn.Module) -> bool:
@@ -212,8 +237,66 @@ class PackedExperts(nn.ModuleList):
                     == "_default_apply_gate")  # fmt: skip
         return standard and tuple(down.shape) == (E, H, two_i // 2) and hasattr(module, "act_fn")
 
+    # ------------------------------------------------------------------ stacking
+
+    def stack(self) -> bool:
+        """Gather the experts' packed tensors into ``gate_up_packed [E, 2I, H/8]``, ``gate_up_scale
+        [E, 2I, H/g]``, ``down_packed [E, H, I/8]``, ``down_scale [E, H, I/g]`` (buffers, not saved) and make
+        each expert's parameters views of them; return whether the layer is now stacked. Only symmetric int4
+        groups (compressed-tensors ``pack-quantized``, no zero point, no activation ordering) on one real device
+        are stacked."""
+        projections = ("gate_proj", "up_proj", "down_proj")
+        linears = [getattr(m, n) for m in self for n in projections]
+        if not linears or not all(isinstance(m, PackedLinear) and _stackable(m) for m in linears):
+            return False
+        tensors = [t for m in linears for t in (m.weight_packed, m.weight_scale)]
+        devices = {t.device for t in tensors}
+        if len(devices) != 1 or next(iter(devices)).type == "meta":
+            return False
+        group = int(linears[0].quantization_scheme.weights.group_size)
+        if any(int(m.quantization_scheme.weights.group_size) != group for m in linears):
+            return False
+        with torch.no_grad():
+            for name, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+                for kind in ("packed", "scale"):
+                    whole = torch.stack([torch.cat([getattr(getattr(m, n), "weight_" + kind) for n in parts])
+                                         for m in self])  # fmt: skip
+                    self.register_buffer(f"{name}_{kind}", whole, persistent=False)
+                    for e, m in enumerate(self):
+                        row = 0
+                        for n in parts:
+                            linear = getattr(m, n)
+                            rows = linear.out_features
+                            view = whole[e, row : row + rows]
+                            if isinstance(linear._parameters.get("weight_" + kind), nn.Parameter):
+                                linear._parameters["weight_" + kind] = nn.Parameter(view, requires_grad=False)
+                            else:
+                                linear._buffers["weight_" + kind] = view
+                            row += rows
+        self.group_size = group
+        self.hidden, self.intermediate = linears[0].in_features, linears[0].out_features
+        self.stacked = True
+        return True
+
+    def _apply(self, fn, recurse: bool = True):
+        # A move (``model.to(device)``) copies each view on its own: stack again from the moved experts.
+        out = super()._apply(fn, recurse)
+        if self.stacked:
+            for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
+                self._buffers.pop(name, None)
+            self.stacked = False
+            self.stack()
+        return out
+
+    # ------------------------------------------------------------------ forward
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [N, H]; top_k_index, top_k_weights [N, K]
+        if self.stacked and self.kernel == "grouped":
+            return self._grouped(hidden_states, top_k_index, top_k_weights)
+        return self._per_expert(hidden_states, top_k_index, top_k_weights)
+
+    def _per_expert(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         out = torch.zeros_like(hidden_states)
         for e in top_k_index.unique().tolist():  # only the experts some token was routed to are decompressed
             if not 0 <= e < self.num_experts:
@@ -222,6 +305,167 @@ class PackedExperts(nn.ModuleList):
             y = self[e](hidden_states[token]) * top_k_weights[token, slot, None]  # [n, H]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _dense(self, name: str, index: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``index`` of projection ``name`` ("gate_up" or "down") dequantized: ``[e, out, in]``."""
+        packed, scale = self._buffers[name + "_packed"][index], self._buffers[name + "_scale"][index]
+        return dequantize_int4(packed, scale, self.group_size, dtype)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self[0].act_fn(gate) * up
+
+    def _grouped(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        N, K = top_k_index.shape
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        ids = top_k_index.reshape(-1)
+        valid = (ids >= 0) & (ids < E)  # experts held elsewhere (expert-parallel sentinels) contribute nothing
+        weights = torch.where(valid, top_k_weights.reshape(-1), 0)
+        per_expert = 3 * H * I * x.element_size()
+        S = ids.numel()
+        if S < E:  # fewer rows than experts (decoding): dequantize only the routed experts, by index
+            ids = torch.where(valid, ids, 0)
+            rows = x.repeat_interleave(K, dim=0)  # row j is token j // K
+            chunk = max(1, self.dequant_bytes // per_expert)
+            parts = []
+            for a in range(0, S, chunk):  # a static split: S is known when a graph is captured
+                sel = ids[a : a + chunk]
+                h = torch.bmm(self._dense("gate_up", sel, x.dtype), rows[a : a + chunk, :, None])[..., 0]
+                parts.append(torch.bmm(self._dense("down", sel, x.dtype), self._act(h)[..., None])[..., 0])
+            y = torch.cat(parts) if len(parts) > 1 else parts[0]
+            y = y * weights[:, None].to(y.dtype)
+            return y.view(N, K, H).sum(dim=1).to(x.dtype)
+        # Rows sorted by expert, as transformers' grouped_mm experts do (histc, not bincount: no host sync)
+        ids = torch.where(valid, ids, E)  # sentinels sort last and fall outside every group
+        sorted_ids, perm = torch.sort(ids)
+        rows = x[perm // K]
+        counts = torch.histc(sorted_ids.float() if x.device.type == "cpu" else sorted_ids.int(),
+                             bins=E, min=0, max=E - 1)  # fmt: skip
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        chunk = max(1, self.dequant_bytes // per_expert)
+        if chunk >= E:
+            y = self._grouped_mlp(rows, slice(0, E), offsets)
+        else:  # a layer too large to dequantize at once: groups of experts, their row ranges read on the host
+            bounds = [0, *offsets.tolist()]
+            parts = []
+            for a in range(0, E, chunk):
+                b = min(E, a + chunk)
+                r0, r1 = bounds[a], bounds[b]
+                if r1 > r0:
+                    parts.append(self._grouped_mlp(rows[r0:r1], slice(a, b), offsets[a:b] - r0))
+            if bounds[E] < S:
+                parts.append(rows.new_zeros(S - bounds[E], H))
+            y = torch.cat(parts) if parts else rows.new_zeros(S, H)
+        y = torch.where(valid[perm][:, None], y * weights[perm][:, None].to(y.dtype), 0)  # rows past the groups: unset
+        out = torch.empty_like(y)
+        out[perm] = y
+        return out.view(N, K, H).sum(dim=1).to(x.dtype)
+
+    def _grouped_mlp(self, rows: torch.Tensor, experts: slice, offsets: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))`` for rows sorted by expert, expert ``experts.start + i`` taking rows
+        ``offsets[i-1]:offsets[i]``."""
+        h = grouped_mm(rows, self._dense("gate_up", experts, rows.dtype).transpose(-2, -1), offsets)
+        return grouped_mm(self._act(h), self._dense("down", experts, rows.dtype).transpose(-2, -1), offsets)
+
+
+def _stackable(linear: PackedLinear) -> bool:
+    """Whether a compressed Linear is symmetric int4 in groups, packed as compressed-tensors' ``pack-quantized``
+    (what :func:`dequantize_int4` reads)."""
+    scheme = getattr(linear, "quantization_scheme", None)
+    w = getattr(scheme, "weights", None)
+    if w is None or getattr(scheme, "format", None) != "pack-quantized" or scheme.input_activations is not None:
+        return False
+    strategy = getattr(w.strategy, "value", w.strategy)
+    order = getattr(w, "actorder", None)
+    return (w.num_bits == 4 and w.symmetric and strategy == "group" and not order
+            and getattr(linear, "weight_g_idx", None) is None and getattr(linear, "weight_zero_point", None) is None
+            and linear.in_features % int(w.group_size) == 0 and linear.in_features % 8 == 0)  # fmt: skip
+
+
+def _dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    # compressed-tensors' pack-quantized int4: weight j of a row is bits 4*(j % 8).. of int32 word j // 8, stored
+    # as value + 8 (compressed_tensors.compressors.pack_quantized.helpers.pack_to_int32); the weight is
+    # value * scale of its group. compressed-tensors' unpack_from_int32 (used eagerly, below) splits bytes
+    # through a dtype view, which torch.compile does not fuse; these shifts are the same arithmetic and compile
+    # into one kernel that reads the int4 words once and writes the dense weights once.
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    q = ((packed[..., None] >> shifts) & 0xF).flatten(-2) - 8  # [..., out, in]
+    w = q.to(scale.dtype).unflatten(-1, (-1, group)) * scale[..., None]
+    return w.flatten(-2).to(dtype)
+
+
+def _dequantize_int4_eager(packed: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The same through compressed-tensors' own unpacking (fewer bytes moved than the shifts run op by op)."""
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    except ImportError:  # another compressed-tensors layout: the same arithmetic, op by op
+        return _dequantize_int4(packed, scale, group, dtype)
+    words = packed.shape[-1]
+    flat = packed.reshape(-1, words)
+    q = unpack_from_int32(flat, 4, torch.Size((flat.shape[0], 8 * words))).view(*packed.shape[:-1], 8 * words)
+    w = q.to(scale.dtype).unflatten(-1, (-1, group)) * scale[..., None]
+    return w.flatten(-2).to(dtype)
+
+
+#: Whether dequantization on CUDA runs compiled by torch.compile. Off: on one H200, compiled with dynamic shapes,
+#: it measured slower than compressed-tensors' eager unpacking (the forward at 0.47x bf16 against 0.64x, commit
+#: d8c6450, docs/BENCHMARKS.md); bench/int4_memory.py measures both.
+COMPILE_DEQUANT = False
+_COMPILED: dict[str, Any] = {}
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dense weights ``[..., out, in]`` from compressed-tensors pack-quantized int4 ``packed [..., out, in/8]``
+    (int32) and ``scale [..., out, in/group]``: compressed-tensors' unpacking; inside a caller's compiled code,
+    the shifts, which that compilation fuses; with ``COMPILE_DEQUANT`` on CUDA, the shifts compiled on their own
+    (eager from the first time compiling fails, after one note)."""
+    if torch.compiler.is_compiling():
+        return _dequantize_int4(packed, scale, group, dtype)
+    if packed.device.type != "cuda" or not COMPILE_DEQUANT or _COMPILED.get("failed"):
+        return _dequantize_int4_eager(packed, scale, group, dtype)
+    if "fn" not in _COMPILED:
+        # Static shapes (a few a model: each projection's expert groups, the gathered routed experts): compiled
+        # with dynamic shapes it measured slower than eager in the model (commit d8c6450), where symbolic sizes
+        # turn the index arithmetic into divisions; the static form is the one `extract.sh int4` measures next.
+        _COMPILED["fn"] = torch.compile(_dequantize_int4, dynamic=False)
+    try:
+        return _COMPILED["fn"](packed, scale, group, dtype)
+    except Exception as e:  # a compiler error on some machine: correct, if slower, without it
+        import sys
+
+        _COMPILED["failed"] = True
+        print(f"eyas: int4 dequantization without torch.compile ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)  # fmt: skip
+        return _dequantize_int4_eager(packed, scale, group, dtype)
+
+
+_GROUPED_MM: dict[str, Any] = {}
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``rows [S, in] @ weights [E, in, out]`` per group: rows ``offsets[i-1]:offsets[i]`` with ``weights[i]``
+    (rows past ``offsets[-1]`` are left unset). torch's grouped GEMM (``torch.nn.functional.grouped_mm``, or
+    ``torch._grouped_mm`` before torch 2.10); where it refuses the shapes or dtype, one matmul per group."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    key = (rows.device.type, rows.dtype)
+    if fn is not None and not _GROUPED_MM.get(key):
+        try:
+            return fn(rows, weights, offs=offsets)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _GROUPED_MM[key] = True  # unsupported here: the loop from now on
+    out = rows.new_zeros(rows.shape[0], weights.shape[-1])
+    start = 0
+    for i, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = rows[start:end] @ weights[i]
+        start = end
+    return out
+
+
+def stack_experts(model: nn.Module) -> int:
+    """Stack every :class:`PackedExperts` of ``model`` that can be (:meth:`PackedExperts.stack`); return how many
+    were stacked."""
+    return sum(m.stack() for m in model.modules() if isinstance(m, PackedExperts) and not m.stacked)
 
 
 def unfuse_experts(model: nn.Module) -> int:
