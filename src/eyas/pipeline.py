@@ -161,7 +161,7 @@ def run_demo(c: DemoConfig) -> None:
     """Run `eyas demo` as ``c`` describes (see :class:`DemoConfig`)."""
     from eyas.stages.prepare import prepare
     from eyas.verifier.locate import DEMO_VERIFIER
-    from eyas.verifier.info import inspect
+    from eyas.stages.inspect import inspect
     from eyas.stages.vocab import vocab
 
     out = c.out

@@ -46,7 +46,7 @@ def test_flags_are_the_config_fields_each_with_help(command, monkeypatch):
 
 
 #: The Python function of each command.
-FUNCTIONS = {"inspect": "eyas.verifier.info:inspect", "plan": "eyas.stages.plan:plan",
+FUNCTIONS = {"inspect": "eyas.stages.inspect:inspect", "plan": "eyas.stages.plan:plan",
              "regenerate": "eyas.stages.regenerate:regenerate", "prepare": "eyas.stages.prepare:prepare", "vocab": "eyas.stages.vocab:vocab", "extract": "eyas.stages.extract:extract",
              "train": "eyas.stages.train:train", "export": "eyas.stages.export:export", "eval": "eyas.stages.evaluate:evaluate",
              "run": "eyas.pipeline:run", "demo": "eyas.pipeline:demo"}  # fmt: skip
@@ -142,6 +142,7 @@ def test_a_good_section_is_its_stage_config(tmp_path):
 
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'out = "{tmp_path / "out"}"\nverifier = "smollm2"\n[train]\nepochs = 2\nlayers = [1, 2, 3]\n')
+    (tmp_path / "out" / "features").mkdir(parents=True)  # its input, wired by default (checked before any stage)
     _, root, [(name, stage, config)] = check(str(cfg))
     assert (name, stage) == ("train", run) and isinstance(config, TrainConfig)
     assert (config.epochs, config.layers, config.data, config.verifier) == (2, [1, 2, 3], str(root / "features"),

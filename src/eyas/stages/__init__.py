@@ -1,5 +1,5 @@
-"""One module per pipeline stage, each a typed config plus ``run(config)``: ``prepare``, ``regenerate``,
-``vocab``, ``extract``, ``train``, ``evaluate`` (``eyas eval``), ``export``, ``plan``. Stages meet only through
+"""One module per stage, each a typed config plus ``run(config)``: ``inspect``, ``plan``, ``regenerate``,
+``prepare``, ``vocab``, ``extract``, ``train``, ``evaluate`` (``eyas eval``), ``export``. Stages meet only through
 files on disk: no stage imports another.
 
 :data:`STAGES` is the one list of them, read by the ``eyas`` command (a subcommand each) and by ``eyas run``
@@ -28,7 +28,7 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("inspect", "eyas.verifier.info:InspectConfig",
+    Stage("inspect", "eyas.stages.inspect:InspectConfig",
           "describe a verifier checkpoint (dir, GGUF or 'smollm2') without loading it"),
     Stage("plan", "eyas.stages.plan:PlanConfig",
           "from a verifier's config alone: its memory packed and in bf16, GPUs, feature bytes, offline or online, "
