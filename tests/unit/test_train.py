@@ -266,6 +266,10 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     capsys.readouterr()
     again = train(**kw)  # the same command again: nothing to do
     assert "already trained" in capsys.readouterr().out and again["steps"] == result["steps"]
+    # another --verifier-name is another output (config.json records it): refused, never reported as trained
+    with pytest.raises(EyasError, match="other inputs or settings"):
+        train(**kw, verifier_name="org/another-name")
+    assert raw == read_draft_config(out)[1]
 
 
 def test_accuracy_within_the_draft_vocab_is_labelled_so(inputs, tmp_path, capsys):

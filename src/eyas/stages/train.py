@@ -250,7 +250,8 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
 
     keys = ("online", "epochs", "lr", "max_seq_len", "grad_accum", "ttt_steps", "step_loss_decay", "val_ratio",
             "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
-            "drop_out_of_vocab", "full_vocab_accuracy", "max_steps")  # fmt: skip
+            "drop_out_of_vocab", "full_vocab_accuracy", "max_steps",
+            "verifier_name")  # fmt: skip  (the name config.json records: another one is another output)
     settings = {k: getattr(c, k) for k in keys}
     settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
                     draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
