@@ -92,7 +92,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=3)
     ap.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
+    ap.add_argument("--attention", default="auto", help="the slot attention, comma-separated: auto (flex on "
+                    "CUDA), sdpa, flex (each a run of every mode)")  # fmt: skip
     ap.add_argument("--hf-generate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--fused-rounds", action="store_true", help="each greedy round as one graph (GreedyRounds)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -118,12 +121,13 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "load_s": round(load_s, 1)}  # fmt: skip
     results, turn_ids = [], None
-    for mode in args.modes.split(","):
-        row = {"mode": mode, **common}
+    for mode, attention in [(m, a) for a in args.attention.split(",") for m in args.modes.split(",")]:
+        row = {"mode": mode, "attention": attention, **common}
         try:
             t0 = time.perf_counter()
             runners = Runners.build(env["model"], env["draft"], draft_tokens=[K], max_len=bound,
-                                    cuda_graphs=mode == "graphs")  # fmt: skip
+                                    cuda_graphs=mode == "graphs", attention=attention,
+                                    fused_rounds=args.fused_rounds)  # fmt: skip
             row["warmup_s"] = round(time.perf_counter() - t0, 1)
             m = measure(plist, tok, runners, max_new_tokens=args.max_new_tokens, eos_ids=env["eos_ids"],
                         seed=args.seed, desc=f"mode {mode}")  # fmt: skip
@@ -145,7 +149,7 @@ def main() -> None:
             hf = {"baseline": "transformers generate (static cache)", "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(hf), flush=True)
     ok = [r for r in results if "error" not in r]
-    baselines = [(r["baseline_tokens_per_s"], f"eyas plain loop, mode {r['mode']}") for r in ok]
+    baselines = [(r["baseline_tokens_per_s"], f"eyas plain loop, mode {r['mode']}, {r['attention']}") for r in ok]
     if hf and "tokens_per_s" in hf:
         baselines.append((hf["tokens_per_s"], hf["baseline"]))
     summary = {"summary": True, **common}

@@ -6,6 +6,8 @@ template, greedy, stopped at the template's end-of-turn token; new tokens are co
 end of turn (what a regenerated dataset keeps). Compared, each on the same prompts:
 
 - ``engine``: `eyas.engine.generate.BatchDecoder` (continuous batching over a token budget, CUDA graphs);
+  ``engine-flex`` / ``engine-sdpa`` the same with that slot attention named (``engine``: its default, flex on
+  CUDA: a per-row block table, live keys only);
 - ``hf-static``: transformers ``generate`` with a static cache (compiled by ``generate`` on CUDA), prompts
   sorted by length and left-padded in batches of ``--hf-batch``, each batch held until its longest answer ends;
 - ``hf-cb``: transformers' continuous batching (``generate_batch``) with its defaults.
@@ -54,10 +56,11 @@ def kept(tokens: list[int], eos: set[int]) -> int:
 
 
 def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max_len: int, batch_tokens: int,
-               graphs: bool) -> dict:  # fmt: skip
+               graphs: bool, attention: str = "auto") -> dict:  # fmt: skip
     dev = next(model.parameters()).device
     t0 = time.perf_counter()
-    dec = BatchDecoder(model, eos_ids=eos, max_len=max_len, batch_tokens=batch_tokens, cuda_graphs=graphs)
+    dec = BatchDecoder(model, eos_ids=eos, max_len=max_len, batch_tokens=batch_tokens, cuda_graphs=graphs,
+                       attention=attention)  # fmt: skip
     # warm-up outside the timing: every key-length bucket's graph recorded on a few prompts of each length class
     warm = [Request(key=-1, tokens=[1] * n, max_new_tokens=max_new_tokens) for n in (8, 256, 1024) if n < max_len]
     for _ in dec.run(RequestQueue(warm)):
@@ -71,7 +74,8 @@ def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max
     sync(dev)
     s = time.perf_counter() - t0
     st = dec.stats
-    return {"method": "engine" + ("" if graphs else "-eager"), "tokens": tokens, "seconds": round(s, 2),
+    return {"method": "engine" + ("" if graphs else "-eager") + ("" if attention == "auto" else f"-{attention}"),
+            "attention": dec.slots.attention, "tokens": tokens, "seconds": round(s, 2),
             "tokens_per_s": tokens / s, "setup_s": round(setup_s, 1), "slots": dec.num_slots,
             "batch_tokens": batch_tokens, "kv_gib": round(dec.kv_bytes / 2**30, 2),
             "slot_use": round(st["slot_steps_used"] / max(st["steps"] * dec.num_slots, 1), 3),
@@ -178,9 +182,11 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         try:
-            if method in ("engine", "engine-eager"):
+            if method in ("engine", "engine-eager", "engine-flex", "engine-sdpa"):
                 row = run_engine(model, prompts, eos=eos, max_new_tokens=args.max_new_tokens,
-                                 max_len=args.max_seq_len, batch_tokens=budget, graphs=method == "engine")  # fmt: skip
+                                 max_len=args.max_seq_len, batch_tokens=budget, graphs=method != "engine-eager",
+                                 attention=method.removeprefix("engine-") if method.endswith(("flex", "sdpa"))
+                                 else "auto")  # fmt: skip
             elif method == "hf-static":
                 row = run_hf_static(model, prompts, eos=eos, pad=pad, max_new_tokens=args.max_new_tokens,
                                     batch=args.hf_batch)  # fmt: skip

@@ -13,18 +13,23 @@
 #   bash bench/gpu/generate.sh part0    carry .whl .carry/smol.part00 .carry/sharegpt_prompts.jsonl.gz
 #                                       .carry/mt_bench.jsonl: the wheels, the first half and the prompts in /tmp/g
 #   bash bench/gpu/generate.sh real     carry .carry/smol.part01: joins the GGUF, then the same runs on it
+# or, in one call of about 8 minutes on the random-weight model (the random mode's carry), what batch-1 decoding
+# costs with each slot attention (bench/decode_profile.py: a plain step and a speculative round, timed and
+# profiled), the GPU tests of the graphed steps, eval's loops on 4 MT-Bench questions against transformers'
+# static generate, and the batched engine with each slot attention on 1,024 ShareGPT prompts:
+#   bash bench/gpu/generate.sh quick
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real) ;;
+  random|part0|real|quick) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
 if [ "$mode" = part0 ]; then
   stash_part0
   exit 0
-elif [ "$mode" = random ]; then
+elif [ "$mode" = random ] || [ "$mode" = quick ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -40,6 +45,21 @@ else
   V=$GGUF
 fi
 P=$(carried sharegpt_prompts.jsonl.gz)
+if [ "$mode" = quick ]; then
+  run profile timeout 100 python3 bench/decode_profile.py --verifier $V --attention sdpa,flex
+  cp "$OUT/profile.jsonl" "$OUT/profile.keep"  # eval runs the attention that decoded faster here
+  best=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'plain_tokens_per_s' in l]; \
+print(max(r, key=lambda x: x['plain_tokens_per_s'])['attention'] if r else 'sdpa')" "$OUT/profile.keep")
+  run gpu_tests timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
+    -k "plain_decode or speculative or flex"
+  run eval_4 timeout 160 python3 bench/eval_speedup.py --verifier $V --draft random --prompts "$(carried mt_bench.jsonl)" \
+    --num-prompts 4 --max-new-tokens 256 --modes graphs --attention "$best" --draft-tokens 3
+  run regen_1024 timeout 90 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 1024 \
+    --max-new-tokens 256 --methods engine-flex,engine-sdpa
+  rm -f "$OUT/profile.keep"
+  collect
+  exit 0
+fi
 run gpu_tests timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_generate_gpu.py
 run regen_2048 timeout 200 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 2048 \
   --max-new-tokens 256 --methods engine,hf-static

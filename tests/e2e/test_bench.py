@@ -131,6 +131,15 @@ def test_eval_speedup_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["speedup"] > 0 and rows[-1]["baseline"]
 
 
+def test_decode_profile_smoke(tmp_path):
+    """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
+    profiled): every loop decodes what plain decoding does on a tiny random Llama."""
+    rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa"], tmp_path)
+    (r,) = rows
+    assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
+    assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0
+
+
 def test_int4_memory_smoke(tmp_path):
     """bench/int4_memory.py at tiny dims, every stage: the packed int4 MoE verifier holds fewer bytes than its
     bf16 copy, their states agree within int4 tolerance, eyas plan's prediction is within a few percent of both,

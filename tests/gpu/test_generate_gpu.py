@@ -57,9 +57,11 @@ def test_bf16_batched_graphs_run(make_tiny):
     assert all(len(c.tokens) >= 1 and not c.too_long for c in got)
 
 
-def test_speculative_graphs_equal_eager(make_tiny):
+@pytest.mark.parametrize("fused", [False, True])
+def test_speculative_graphs_equal_eager(make_tiny, fused):
     """eval's loop with every fixed-shape forward a CUDA graph (verifier 1 and K+1 tokens per key bucket, draft
-    catch-ups and steps) decodes and accepts exactly as eagerly, at K = 2 and 4 in one build."""
+    catch-ups and steps; with ``fused`` each greedy round one graph) decodes and accepts exactly as eagerly, at
+    K = 2 and 4 in one build."""
     t = make_tiny("llama")
     info = resolve(t.path)
     model = build_text_model(info, device="cuda")
@@ -67,16 +69,67 @@ def test_speculative_graphs_equal_eager(make_tiny):
     draft.t2d.fill_(True)
     out = {}
     for graphs in (True, False):
-        r = Runners.build(model, draft, draft_tokens=[2, 4], max_len=700, cuda_graphs=graphs)
+        r = Runners.build(model, draft, draft_tokens=[2, 4], max_len=700, cuda_graphs=graphs, fused_rounds=fused)
         assert r.base.graphs.enabled == r.spec.graphs.enabled == r.draft.graphs.enabled == graphs  # none fell back
         runs = []
         for p in _prompts(4, seed=3):
             for K in (2, 4):
-                s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=K, eos_ids={2})
+                s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=K, eos_ids={2},
+                                         fused=fused)  # fmt: skip
                 b = plain_generate(r.base, p, max_new_tokens=96, eos_ids={2})
                 assert s.tokens == b.tokens
                 runs.append((s.tokens, s.accepted))
         out[graphs] = runs
         # every decoder still on its graphs after the run (a failed capture falls back to eager with a note)
         assert r.base.graphs.enabled == r.spec.graphs.enabled == r.draft.graphs.enabled == graphs
+        assert all(g.graphs.enabled == graphs for g in r.draft._rounds.values())
     assert out[True] == out[False]
+
+
+def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
+    """Plain decoding as one graph per step (forward, pick and position advance; tokens read a block at a
+    time) across key buckets: greedy equals eager and transformers' generate (fp32), and seeded sampling at
+    T = 1 replays exactly what the eager step draws."""
+    from eyas.engine.generate import SequenceDecoder
+
+    t = make_tiny("llama")
+    model = build_text_model(resolve(t.path), device="cuda")
+    graphed = SequenceDecoder(model, capacity=400, cuda_graphs=True, sync_every=16)
+    eager = SequenceDecoder(model, capacity=400, cuda_graphs=False, sync_every=16)
+    for p in _prompts(3, seed=5):
+        got = plain_generate(graphed, p, max_new_tokens=150, eos_ids=set()).tokens
+        assert got == plain_generate(eager, p, max_new_tokens=150, eos_ids=set()).tokens
+        x = torch.tensor([p], device="cuda")
+        want = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=150,
+                              eos_token_id=None, pad_token_id=0)[0, len(p) :].tolist()  # fmt: skip
+        assert got == want
+        eos = {got[37]}  # an end of turn inside a block: the loop stops there
+        assert plain_generate(graphed, p, max_new_tokens=150, eos_ids=eos).tokens == got[: got.index(got[37]) + 1]
+        g1, g2 = (torch.Generator(device="cuda").manual_seed(7) for _ in range(2))
+        s1 = plain_generate(graphed, p, max_new_tokens=100, eos_ids=set(), temperature=1.0, generator=g1).tokens
+        s2 = plain_generate(eager, p, max_new_tokens=100, eos_ids=set(), temperature=1.0, generator=g2).tokens
+        assert s1 == s2
+    assert graphed.graphs.enabled and any(k[0] == "decode" for k in graphed.graphs.graphs)
+
+
+def test_flex_attention_graphs_equal_sdpa(make_tiny):
+    """FlexAttention (compiled, a block table per row) under CUDA graphs decodes what the SDPA path decodes
+    (fp32), batched across key buckets and in eval's loops; neither falls back."""
+    from eyas.engine.slots import Slots
+
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    model = build_text_model(info, device="cuda")
+    reqs = [Request(key=i, tokens=p, max_new_tokens=48) for i, p in enumerate(_prompts(24, seed=6))]
+    kw = dict(eos_ids={2}, max_len=512, batch_tokens=512 * 8, sync_every=4)
+    assert [c.tokens for c in decode_all(model, reqs, attention="flex", **kw)] == \
+        [c.tokens for c in decode_all(model, reqs, attention="sdpa", **kw)]  # fmt: skip
+    draft = random_draft(info, seed=0, device="cuda")
+    draft.t2d.fill_(True)
+    r = Runners.build(model, draft, draft_tokens=[3], max_len=600)  # flex: the default on CUDA
+    for p in _prompts(3, seed=8):
+        s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=3, eos_ids={2})
+        assert s.tokens == plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens
+    assert r.base.slots.attention == r.spec.slots.attention == "flex" and r.base.graphs.enabled
+    assert isinstance(r.base.slots, Slots)
+

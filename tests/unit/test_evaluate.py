@@ -199,6 +199,25 @@ def test_greedy_speculative_decoding_is_lossless(setups, name):
     assert hist[K] > 0 and hist[0] + sum(hist[1:K]) > 0, hist  # full acceptance (bonus) and rejections
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_fused_greedy_rounds_equal_the_round_by_round_loop(setups, name):
+    """Greedy rounds as one function each (GreedyRounds: the catch-up always over K + 1 positions, the position
+    and the accepted count kept on the device, neither cache truncated) decode exactly what the round-by-round
+    loop decodes and accept the same drafts, with rounds of 0, some and all K accepted; a decoder reused across
+    prompts and across both loops stays right."""
+    _, info, model, eos, prompts, drafts = setups(name)
+    draft = drafts["fitted"]
+    spec, dr = _verifier(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    hist = [0] * (K + 1)
+    for ids in prompts:
+        fused = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos, fused=True)
+        loop = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+        assert (fused.tokens, fused.accepted, fused.produced) == (loop.tokens, loop.accepted, loop.produced)
+        for a in fused.accepted:
+            hist[a] += 1
+    assert hist[K] > 0 and hist[0] + sum(hist[1:K]) > 0, hist
+
+
 def test_tau_counts_only_the_tokens_kept(setups):
     """A turn's last round may accept drafts past ``max_new_tokens`` (or past the end-of-turn token): those are
     dropped from the output and not counted, so tau is exactly kept tokens per verification round."""

@@ -204,3 +204,42 @@ def test_compiled_layers_equal_eager(make_tiny):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
     assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block
+
+
+def test_plain_decode_blocks_equal_greedy_generate(make_tiny):
+    """eval's plain loop: the step advances its own token and position on the device and the host reads tokens
+    in blocks of `sync_every`; answers equal transformers' generate, cut at an end of turn inside a block and
+    at max_new_tokens that is no multiple of the block."""
+    from eyas.engine.generate import SequenceDecoder
+    from eyas.engine.speculative import plain_generate
+
+    t = make_tiny("llama")
+    model = build_text_model(resolve(t.path))
+    dec = SequenceDecoder(model, capacity=128, sync_every=3)
+    for p in _prompts(3, seed=4):
+        want = _hf_greedy(t.reference(), p, 20, set())
+        assert plain_generate(dec, p, max_new_tokens=20, eos_ids=set()).tokens == want
+        eos = {want[7]}
+        assert plain_generate(dec, p, max_new_tokens=20, eos_ids=eos).tokens == want[: want.index(want[7]) + 1]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_flex_attention_equals_sdpa(make_tiny, name):
+    """The FlexAttention path (a block table per row, FlexAttention's reference implementation on CPU) decodes
+    what the SDPA path decodes, batched and at batch 1 (a 4-token verification forward included)."""
+    from eyas.engine.generate import SequenceDecoder
+
+    t = make_tiny(name)
+    model = build_text_model(resolve(t.path))
+    prompts = _prompts(6, seed=2, longest=150)  # keys past one 128-key block
+    reqs = [Request(key=i, tokens=p, max_new_tokens=12) for i, p in enumerate(prompts)]
+    kw = dict(eos_ids=EOS, max_len=200, batch_tokens=200 * 3, sync_every=4)
+    flex = decode_all(model, reqs, attention="flex", **kw)
+    assert [c.tokens for c in flex] == [c.tokens for c in decode_all(model, reqs, **kw)]
+    ids = torch.tensor(prompts[0] + flex[0].tokens[:4])
+    got = []
+    for attention in ("flex", "sdpa"):
+        dec = SequenceDecoder(model, capacity=300, attention=attention)
+        dec.forward(ids[:-4], 0)  # the prompt: SDPA either way
+        got.append(dec.forward(ids[-4:], len(ids) - 4)[0])
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)

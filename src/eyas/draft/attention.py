@@ -187,6 +187,9 @@ class DraftCache:
 
     def truncate(self, lengths: torch.Tensor | int) -> None:
         """Forget every position ``>= lengths`` (per row)."""
+        if isinstance(lengths, int):  # one length for all rows: a slice, not a host->device copy (a stream sync)
+            self.valid[:, lengths:] = False
+            return
         lengths = torch.as_tensor(lengths, device=self.valid.device).reshape(-1, 1)
         slots = torch.arange(self.max_len, device=self.valid.device)
         self.valid &= slots[None, :] < lengths

@@ -45,21 +45,28 @@ class SequenceDecoder:
     """The verifier over one sequence with a cache that rolls back: ``forward(ids, start)`` feeds tokens at
     positions ``start..`` (after rolling back to ``start``) and returns their logits; ``aux_layer_ids`` also
     returns the hidden states entering those layers (what an EAGLE-3 draft reads), captured as they pass.
+    ``decode(token, start, count)`` runs plain decoding on the device, the host reading the new tokens every
+    ``sync_every`` steps.
 
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
     plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
     ``compile``); a prompt of any length runs eagerly.
+
+    The model's attention is switched to the slots (``set_attn_implementation``, which walks every module:
+    0.7 ms of host time on SmolLM2) only where Python runs the forward: eager forwards and graph captures, or
+    once for a whole turn inside :meth:`session`; a graph replay needs none of it.
     """
 
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
                  graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
-                 compile: bool = True) -> None:  # fmt: skip
+                 compile: bool = True, sync_every: int = 16, attention: str = "auto") -> None:  # fmt: skip
         from eyas.verifier.load import HiddenStateCapture
 
         self.model = model
         p = next(model.parameters())
         self.device = p.device
-        self.slots = Slots(slots=1, capacity=capacity, layers=layer_shapes(model), dtype=p.dtype, device=p.device)
+        self.slots = Slots(slots=1, capacity=capacity, layers=layer_shapes(model), dtype=p.dtype, device=p.device,
+                           attention=attention)  # fmt: skip
         self.capture = HiddenStateCapture(model, aux_layer_ids) if aux_layer_ids else None
         if self.capture is not None:
             self.capture.remove()  # attached only during this decoder's forwards
@@ -67,10 +74,48 @@ class SequenceDecoder:
         self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None)
         self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length
         self._pos: dict[int, torch.Tensor] = {}
+        # plain decoding's state on the device: the token fed next, its position (the slot's start: a view),
+        # the sampling seed, and a ring of the last `sync_every` new tokens (token fed at p -> ring[p % N])
+        self.sync_every = max(1, sync_every)
+        self._tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._at = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._ring = torch.zeros(self.sync_every, dtype=torch.long, device=self.device)
+        self.slots.start = self._at[:, 0]
+        self._engaged = False
 
     @property
     def capacity(self) -> int:
         return self.slots.capacity
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Inside the block the model attends through this decoder's slots (and captures aux states): forwards
+        run in it do not switch the attention each time. Re-entering is free."""
+        if self._engaged:
+            yield
+            return
+        from eyas.verifier.load import varying_shape_attention
+
+        # eager forwards see a new shape every time: flash / memory-efficient attention, no per-shape cuDNN plans
+        with slot_attention(self.model, self.slots), varying_shape_attention(self.device), \
+                contextlib.ExitStack() as stack:  # fmt: skip
+            if self.capture is not None:
+                stack.enter_context(self.capture)
+            self._engaged = True
+            try:
+                yield
+            finally:
+                self._engaged = False
+
+    def _engage(self, fn):
+        """``fn`` run inside :meth:`session` (what a graph runs when it is recorded, or eagerly)."""
+
+        def run():
+            with self.session():
+                return fn()
+
+        return run
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: int):
         """ids, pos ``[1, T]`` -> logits ``[T', V]`` (``keep`` last, 0 = all), aux ``[T, 3H]`` or None."""
@@ -83,30 +128,64 @@ class SequenceDecoder:
     def forward(self, input_ids: torch.Tensor, start: int, *, last_only: bool = False):
         """``input_ids [T]`` at positions ``start..start+T-1`` -> (logits ``[T or 1, V]`` float32, aux
         ``[T, 3H]`` or None). Positions ``>= start`` from earlier calls are forgotten (rolled back)."""
-        from eyas.verifier.load import varying_shape_attention
-
         T = input_ids.shape[0]
         if start + T > self.capacity:
             raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.capacity}")
         slots = self.slots
         slots.start.fill_(start)
         slots.keys = key_bucket(start + T, self.capacity)
-        with slot_attention(self.model, slots), varying_shape_attention(self.device), \
-                contextlib.ExitStack() as stack:  # fmt: skip
-            if self.capture is not None:
-                stack.enter_context(self.capture)
-            if T in self.graph_lengths and not last_only and self.graphs.enabled:
-                if T not in self._ids:
-                    self._ids[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
-                    self._pos[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
-                self._ids[T].copy_(input_ids[None])
-                self._pos[T].copy_(torch.arange(start, start + T, device=self.device)[None])
-                logits, aux = self.graphs.run((T, slots.keys), lambda: self._forward(self._ids[T], self._pos[T], 0))
-                # graph outputs live in its pool and the next replay overwrites them: copy what the caller keeps
-                return logits.float(), None if aux is None else aux.clone()
-            pos = torch.arange(start, start + T, device=self.device)[None]
+        if T in self.graph_lengths and not last_only and self.graphs.enabled:
+            if T not in self._ids:
+                self._ids[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
+                self._pos[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
+            self._ids[T].copy_(input_ids[None])
+            self._pos[T].copy_(torch.arange(start, start + T, device=self.device)[None])
+            logits, aux = self.graphs.run((T, slots.keys),
+                                          self._engage(lambda: self._forward(self._ids[T], self._pos[T], 0)))
+            # graph outputs live in its pool and the next replay overwrites them: copy what the caller keeps
+            return logits.float(), None if aux is None else aux.clone()
+        pos = torch.arange(start, start + T, device=self.device)[None]
+        with self.session():
             logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
-            return logits.float(), aux
+        return logits.float(), aux
+
+    def _decode_step(self, temperature: float) -> None:
+        """One plain decoding step on the device: feed ``_tok`` at ``_at``, pick the next token (argmax, or a
+        Gumbel-max sample keyed by seed and position: no generator state, so it replays in a graph), store it
+        in the ring, advance. The whole step is one CUDA graph per key bucket."""
+        self.slots.begin()
+        logits = self.model(input_ids=self._tok, position_ids=self._at, use_cache=False).logits[:, -1]  # [1, V]
+        nxt = pick_tokens(logits, temperature=temperature, seed=self._seed, position=self._at[:, 0] + 1)  # [1]
+        self._ring.index_copy_(0, self._at[:, 0] % self.sync_every, nxt)
+        self._tok.copy_(nxt[:, None])
+        self._at.add_(1)
+
+    @torch.no_grad()
+    def decode(self, token: torch.Tensor, start: int, count: int, *, temperature: float = 0.0,
+               seed: torch.Tensor | None = None) -> Iterator[list[int]]:  # fmt: skip
+        """Plain decoding: feed ``token [1]`` (on the device) at ``start`` and make ``count`` new tokens, yielded
+        in blocks of at most ``sync_every`` (one device->host read a block; the caller stops consuming at an
+        end of turn, so at most ``sync_every - 1`` steps past it are wasted). ``seed`` (a device ``[1]``) keys
+        sampling at ``temperature > 0``."""
+        if start + count > self.capacity:
+            raise EyasError(f"internal: {start + count} positions exceed the verifier cache of {self.capacity}")
+        N = self.sync_every
+        self._tok.copy_(token.reshape(1, 1))
+        self._at.fill_(start)
+        if seed is not None:
+            self._seed.copy_(seed.reshape(1))
+        step = self._engage(lambda: self._decode_step(temperature))
+        p = start
+        while count > 0:
+            k = min(N, count)
+            for j in range(k):
+                self.slots.keys = key_bucket(p + j + 1, self.capacity)
+                # recording a graph runs the step three times: the token and position are put back after it
+                self.graphs.run(("decode", temperature, self.slots.keys), step, state=(self._tok, self._at))
+            ring = self._ring.tolist()  # the block's one device->host sync
+            yield [ring[(p + j) % N] for j in range(k)]
+            p += k
+            count -= k
 
 
 # --------------------------------------------------------------------------- many requests (regenerate)
@@ -200,11 +279,14 @@ class BatchDecoder:
     right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
     steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
     slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
+    ``attention="flex"`` (the default on CUDA) attends through FlexAttention with a per-row block table (each
+    row reads its own live keys, not the step's whole key length: :meth:`eyas.engine.slots.Slots._block_mask`);
+    ``"sdpa"`` (the default elsewhere) through SDPA over the step's key length.
     """
 
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
-                 cuda_graphs: bool = True, compile: bool = True) -> None:  # fmt: skip
+                 cuda_graphs: bool = True, compile: bool = True, attention: str = "auto") -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -217,7 +299,7 @@ class BatchDecoder:
         self.prefill_tokens = max(prefill_tokens or 4 * max_len, max_len)
         self.sync_every = max(1, sync_every)
         self.slots = Slots(slots=self.num_slots, capacity=max_len, layers=layer_shapes(model), dtype=p.dtype,
-                           device=p.device)  # fmt: skip
+                           device=p.device, attention=attention)  # fmt: skip
         S, dev = self.num_slots, self.device
         self.tok = torch.full((S, 1), pad_id, dtype=torch.long, device=dev)  # the token each row feeds next
         self.pos = torch.zeros(S, 1, dtype=torch.long, device=dev)  # its position

@@ -17,7 +17,9 @@ class Graphs:
     ``run(key, fn)`` calls ``fn`` (which reads and writes only tensors that live as long as this object) the
     first time a key is seen: twice eagerly on a side stream (lazy initialisation must not happen inside a
     capture), then once under capture. ``fn`` must be idempotent for the state it is called in (it writes the
-    same keys and values each time), which the decoders guarantee by updating their state outside ``fn``.
+    same keys and values each time), which the decoders guarantee by updating their state outside ``fn``, or
+    by naming in ``state`` the tensors ``fn`` advances (a whole decoding step, sampling and position included):
+    they are put back after recording, so the replay that follows starts from where the caller left them.
     A model whose forward cannot be captured (host synchronisation inside, as MoE routing in some
     transformers versions does) is run eagerly from then on, after one note.
 
@@ -31,11 +33,13 @@ class Graphs:
         self.compile_model = compile_model if self.enabled else None
         self.graphs: dict[Any, tuple[Any, Any]] = {}
 
-    def run(self, key: Any, fn: Callable[[], Any]) -> Any:
+    def run(self, key: Any, fn: Callable[[], Any], *, state: tuple[torch.Tensor, ...] = ()) -> Any:
         if not self.enabled:
             return fn()
         if key not in self.graphs:
+            saved = [t.clone() for t in state]
             with contextlib.ExitStack() as stack:
+                stack.callback(lambda: [t.copy_(x) for t, x in zip(state, saved)])
                 if self.compile_model is not None:
                     stack.enter_context(compiled_layers(self.compile_model))
                 try:
@@ -48,10 +52,12 @@ class Graphs:
                         print(f"eyas: decoding without torch.compile ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
                         self.compile_model = None
-                        return self.run(key, fn)
+                        stack.close()  # the state back first
+                        return self.run(key, fn, state=state)
                     print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
                           f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
                     self.enabled = False
+                    stack.close()
                     return fn()
         graph, out = self.graphs[key]
         graph.replay()

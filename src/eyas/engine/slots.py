@@ -10,6 +10,8 @@ a sequence back is moving its position. The decoders of :mod:`eyas.engine.genera
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,12 @@ ATTENTION = "eyas_slots"
 #: The key lengths decoding graphs are recorded for: a step attends to the smallest one that covers every
 #: sequence (steps of about 1.5x keep the number of graphs small and the wasted keys under a third).
 KEY_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+#: The key block of the flex attention (FlexAttention's default block size).
+FLEX_BLOCK = 128
+#: The most new tokens a row may feed for a forward to go through FlexAttention (one query block).
+FLEX_MAX_NEW = 16
 
 
 def key_bucket(n: int, capacity: int) -> int:
@@ -53,20 +61,27 @@ class Slots:
     """
 
     def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int, torch.device]],
-                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-        self.num_slots, self.capacity = slots, capacity
+                 dtype: torch.dtype, device: torch.device, attention: str = "auto") -> None:  # fmt: skip
+        if attention not in ("auto", "sdpa", "flex"):
+            raise EyasError(f"the slot attention is auto, sdpa or flex, got {attention!r}")
+        if attention == "auto":  # flex where it compiles to a fused kernel (decoding 1.2x faster: BENCHMARKS.md)
+            attention = "flex" if torch.device(device).type == "cuda" else "sdpa"
+        self.num_slots, self.capacity, self.attention = slots, capacity, attention
         # layers[i] = (kv_heads, key_dim, value_dim, device) of decoder layer i: a layer's slots live where it
-        # runs (a device map spreads layers over GPUs)
-        self.k = [torch.zeros(slots, h, capacity, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
-        self.v = [torch.zeros(slots, h, capacity, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
+        # runs (a device map spreads layers over GPUs); flex reads whole key blocks, so the buffers are rounded
+        # up to one (the positions past the capacity are never visible)
+        alloc = -(-capacity // FLEX_BLOCK) * FLEX_BLOCK if attention == "flex" else capacity
+        self.k = [torch.zeros(slots, h, alloc, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
+        self.v = [torch.zeros(slots, h, alloc, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
         self.rows = torch.arange(slots, device=device)
         self.layout = "rows"
         self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
         self.keys = capacity  # rows layout: key length attended (a bucket >= every query's position + 1)
         self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
         self.prompt_len = 0  # packed layout: Tp
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[Any, Any] = {}
         self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._pos: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_token(layers: list[tuple[int, int, int, torch.device]], dtype: torch.dtype) -> int:
@@ -76,7 +91,14 @@ class Slots:
     def begin(self) -> None:
         """Before each forward: masks (and index tensors other devices need) are built once per forward, on
         first use."""
-        self._masks, self._moved = {}, {}
+        self._masks, self._moved, self._pos = {}, {}, None
+
+    def _positions(self, T: int) -> torch.Tensor:
+        """rows layout: ``[S, T]`` the slot position each new token is written to (built once per forward, not
+        once per layer: three small kernels a layer are 90 kernel launches a step on a 30-layer model)."""
+        if self._pos is None or self._pos.shape[1] != T:
+            self._pos = (self.start[:, None] + torch.arange(T, device=self.start.device)).clamp(max=self.capacity - 1)
+        return self._pos
 
     def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` on ``device``, copied there at most once per forward (the layers of a device map)."""
@@ -87,18 +109,53 @@ class Slots:
             self._moved[key] = t.to(device)
         return self._moved[key]
 
-    def _mask(self, T: int, window: int | None) -> torch.Tensor:
-        """rows layout: ``[S, 1, T, keys]`` bool, key ``j`` visible to new token ``t`` of row ``s`` when
-        ``j <= start[s] + t`` (and, with a sliding window ``W``, ``j > start[s] + t - W``, transformers'
-        ``sliding_window_overlay``)."""
-        if window not in self._masks:
+    def _mask(self, T: int, window: int | None, G: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """rows layout: ``[S, 1, G*T, keys]``, key ``j`` visible to new token ``t`` of row ``s`` (query row
+        ``g*T + t``: grouped-query attention, see :func:`_attention`) when ``j <= start[s] + t`` (and, with a
+        sliding window ``W``, ``j > start[s] + t - W``, transformers' ``sliding_window_overlay``). Bool, or
+        with ``dtype`` additive (0 / -inf: what SDPA turns a bool mask into in every call, here once per
+        forward for all layers)."""
+        key = (T, window, G, dtype)
+        if key not in self._masks:
             j = torch.arange(self.keys, device=self.start.device)
             q = self.start[:, None] + torch.arange(T, device=self.start.device)  # [S, T]
             m = j[None, None, :] <= q[:, :, None]  # [S, T, keys]
             if window is not None:
                 m = m & (j[None, None, :] > q[:, :, None] - window)
-            self._masks[window] = m[:, None]
-        return self._masks[window]
+            m = m[:, None, None].expand(-1, 1, G, T, self.keys).reshape(-1, 1, G * T, self.keys)
+            if dtype is not None:
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            self._masks[key] = m
+        return self._masks[key]
+
+    def _block_mask(self, T: int, window: int | None):
+        """rows layout, for FlexAttention: a block table listing, per row, the key blocks up to its last new
+        token (the keys it can see), so attention reads each row's live keys only, not the whole key length of
+        the step; within a block the mask of :meth:`_mask`. Built from ``start`` on the device (it records
+        into a graph and follows the positions at each replay)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        key = ("flex", T, window)
+        if key not in self._masks:
+            start, dev = self.start, self.start.device
+            n = -(-self.keys // FLEX_BLOCK) * FLEX_BLOCK
+            nb = n // FLEX_BLOCK
+            live = ((start + T - 1) // FLEX_BLOCK + 1).clamp(1, nb).to(torch.int32)  # [S] blocks a row reads
+            table = torch.arange(nb, dtype=torch.int32, device=dev).repeat(self.num_slots, 1, 1, 1)  # [S,1,1,nb]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                p = start[b] + q_idx
+                ok = kv_idx <= p
+                if window is not None:
+                    ok = ok & (kv_idx > p - window)
+                return ok
+
+            extra = {}
+            if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+                extra["compute_q_blocks"] = False  # only a backward pass reads them
+            self._masks[key] = (BlockMask.from_kv_blocks(live[:, None, None], table, BLOCK_SIZE=FLEX_BLOCK,
+                                                         mask_mod=mask_mod, seq_lengths=(T, n), **extra), n)
+        return self._masks[key]
 
 
 #: The slots the registered attention reads and writes during a forward (set by :func:`slot_attention`).
@@ -136,20 +193,54 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
         return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
     S, _, T, _ = query.shape
-    start, rows = slots.on(slots.start, K.device), slots.on(slots.rows, K.device)
-    pos = (start[:, None] + torch.arange(T, device=K.device)).clamp(max=slots.capacity - 1)  # [S, T]
-    K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
-    V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
+    rows, pos = slots.on(slots.rows, K.device), slots.on(slots._positions(T), K.device)  # [S], [S, T]
+    if S == 1:  # one sequence (eval): a plain copy along the positions, one kernel
+        K.index_copy_(2, pos[0], key.to(K.dtype))
+        V.index_copy_(2, pos[0], value.to(V.dtype))
+    else:
+        K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
+        V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
     n = slots.keys
-    mask = slots.on(slots._mask(T, sliding_window), K.device)  # [S, 1, T, n]
+    # decoding and verification (a few new tokens a row) through FlexAttention; a prompt's forward (any length:
+    # one compile each) through SDPA
+    if slots.attention == "flex" and T <= FLEX_MAX_NEW and softcap is None and K.device == slots.start.device:
+        block_mask, nf = slots._block_mask(T, sliding_window)
+        try:
+            out = _flex()(query, K[:, :, :nf].to(query.dtype), V[:, :, :nf].to(query.dtype), block_mask=block_mask,
+                          scale=scaling, enable_gqa=G > 1)  # fmt: skip  # [S, H, T, dv]
+            return out.transpose(1, 2), None
+        except Exception as e:  # a compiler error: the SDPA path from then on, after one note
+            import sys
+
+            print(f"eyas: slot attention through SDPA, FlexAttention failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+            slots.attention = "sdpa"
+    # SDPA takes a bool mask as is only where softcap is written out; elsewhere an additive one, built once
+    dtype = None if softcap is not None else query.dtype
+    mask = slots.on(slots._mask(T, sliding_window, G, dtype), K.device)  # [S, 1, G*T, n]
     # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
     # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
     q = query.reshape(S, kvh, G * T, -1)
-    if T > 1:
-        mask = mask[:, :, None].expand(S, 1, G, T, n).reshape(S, 1, G * T, n)
     out = _sdpa(q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling,
                 softcap=softcap)  # [S, kvh, G*T, dv]
     return out.reshape(S, H, T, -1).transpose(1, 2), None
+
+
+@functools.cache
+def _flex():
+    """FlexAttention (torch's block-sparse attention: a decoding kernel that splits the keys, reading only the
+    blocks a row's table lists), compiled on CUDA; elsewhere its reference implementation."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not torch.cuda.is_available():
+        return flex_attention
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # a shape per (new tokens, rows) before it turns dynamic
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    # shapes left to torch.compile's default: the key length is made dynamic at its first change, so the key
+    # buckets share one kernel instead of a compile each
+    return torch.compile(flex_attention)
 
 
 def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:

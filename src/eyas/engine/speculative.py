@@ -39,6 +39,7 @@ import torch
 from eyas.core.errors import EyasError
 from eyas.engine.generate import SequenceDecoder
 from eyas.draft.model import Eagle3Draft
+from eyas.engine.slots import key_bucket
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -103,6 +104,7 @@ class DraftRunner:
         self.graphs = Graphs(self.device, enabled=cuda_graphs)
         self.graph_max_tokens = graph_max_tokens
         self._static: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        self._rounds: dict[tuple[int, int], GreedyRounds] = {}
 
     def reset(self, max_len: int) -> None:
         if self.cache is not None and max_len <= self.max_len:
@@ -111,6 +113,14 @@ class DraftRunner:
         self.max_len = max(max_len, 2 * self.max_len)
         self.cache = self.draft.new_cache(batch_size=1, max_len=self.max_len)
         self.graphs.graphs.clear()  # recorded against the old cache's buffers
+        self._rounds.clear()
+
+    def rounds(self, verifier: SequenceDecoder, K: int) -> "GreedyRounds":
+        """The fused greedy rounds of ``K`` drafts against ``verifier`` (one per pair, kept with the cache)."""
+        key = (id(verifier), K)
+        if key not in self._rounds:
+            self._rounds[key] = GreedyRounds(verifier, self, K)
+        return self._rounds[key]
 
     def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
         normed, next_hidden = self.draft.step(input_ids, hidden, position_ids, self.cache)
@@ -143,6 +153,31 @@ class DraftRunner:
         if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
             return self._graphed("catch_up", (next_ids[None], aux, pos), run)
         return run(next_ids[None], aux, pos)  # a prompt's length varies: eager
+
+    def _chain(self, logits: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
+        drafted = [self.to_target[logits.argmax(-1, keepdim=True)]]  # [1] target ids
+        for j in range(1, K):
+            logits, hidden = self._run(drafted[-1][None], hidden, pos + (j - 1))
+            drafted.append(self.to_target[logits.argmax(-1, keepdim=True)])
+        return torch.cat(drafted)
+
+    @torch.no_grad()
+    def propose(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, K: int) -> torch.Tensor:
+        """Greedy drafting: ``K`` target ids ``[K]`` from the draft ``logits [N]`` of the last position and its
+        ``next_hidden``, the steps after the first fed at ``position, position + 1, ..``. The K - 1 steps, the
+        argmax and the vocab map are one CUDA graph (the same kernels as :meth:`step` K - 1 times, launched
+        once)."""
+        pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
+        if not self.graphs.enabled:
+            return self._chain(logits, hidden.reshape(1, 1, -1), pos, K)
+        key = ("chain", K)
+        inputs = (logits, hidden.reshape(1, 1, -1), pos)
+        if key not in self._static:
+            self._static[key] = tuple(x.clone() for x in inputs)
+        static = self._static[key]
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        return self.graphs.run(key, lambda: self._chain(*static, K)).clone()
 
     @torch.no_grad()
     def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int):
@@ -198,21 +233,27 @@ def _check_room(verifier: SequenceDecoder, n: int) -> None:
 @torch.no_grad()
 def plain_generate(verifier: SequenceDecoder, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:  # fmt: skip
-    """Plain decoding, one verifier forward per token (the baseline, and the reference for losslessness)."""
+    """Plain decoding, one verifier forward per token (the baseline, and the reference for losslessness): the
+    prompt's forward, then :meth:`SequenceDecoder.decode` (each step a graph with the token's pick inside, the
+    host reading tokens a block at a time). At ``T > 0`` the steps sample by the Gumbel-max trick keyed by a
+    seed drawn from ``generator`` (:func:`eyas.engine.generate.pick_tokens`)."""
     dev = verifier.device
     _sync(dev)
     t0 = time.perf_counter()
     n = len(prompt_ids)
     _check_room(verifier, n + max_new_tokens)
-    logits, _ = verifier.forward(torch.tensor(prompt_ids, device=dev), 0, last_only=True)
-    tokens: list[int] = []
-    while True:
+    with verifier.session():
+        logits, _ = verifier.forward(torch.tensor(prompt_ids, device=dev), 0, last_only=True)
         tok = _pick(logits[-1], temperature, generator)
-        tokens.append(int(tok))
-        tokens, done = _finish(tokens, max_new_tokens, eos_ids)
-        if done:
-            break
-        logits, _ = verifier.forward(tok, n + len(tokens) - 1)
+        tokens, done = _finish([int(tok)], max_new_tokens, eos_ids)
+        seed = None
+        if temperature > 0:
+            at = generator.device if generator is not None else dev
+            seed = torch.randint(2**62, (1,), generator=generator, device=at).to(dev)
+        blocks = verifier.decode(tok, n, max_new_tokens - 1, temperature=temperature, seed=seed)
+        while not done:
+            tokens, done = _finish(tokens + next(blocks), max_new_tokens, eos_ids)
+        blocks.close()
     _sync(dev)
     return Generation(tokens, time.perf_counter() - t0)
 
@@ -220,8 +261,9 @@ def plain_generate(verifier: SequenceDecoder, prompt_ids: list[int], *, max_new_
 @torch.no_grad()
 def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *,
                          max_new_tokens: int, draft_tokens: int, eos_ids: set[int], temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> Generation:  # fmt: skip
-    """Speculative decoding of one prompt (see the module docstring for the loop's semantics).
+                         generator: torch.Generator | None = None, fused: bool = False) -> Generation:  # fmt: skip
+    """Speculative decoding of one prompt (see the module docstring for the loop's semantics). With ``fused``
+    (greedy only), each round is one graph, :class:`GreedyRounds`.
 
     Invariant at the top of each round: the verifier's cache holds positions
     ``0..m-1``; the last emitted token ``x_m`` is not yet fed to it; the draft's
@@ -229,32 +271,43 @@ def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_i
     A round's accepted count is what the output keeps: draft tokens accepted past
     the end-of-turn token or ``max_new_tokens`` in the last round are not counted.
     """
-    dev, K = verifier.device, draft_tokens
+    dev = verifier.device
     _sync(dev)
     t0 = time.perf_counter()
-    n = len(prompt_ids)
-    _check_room(verifier, n + max_new_tokens + K + 1)
-    draft.reset(n + max_new_tokens + K + 1)
-    ids = torch.tensor(prompt_ids, device=dev)
-    logits, aux = verifier.forward(ids, 0, last_only=True)
-    last = _pick(logits[-1], temperature, generator)  # [1]
-    tokens, done = _finish([int(last)], max_new_tokens, eos_ids)
-    # The draft's view of the prompt: position t reads token x_{t+1} and the verifier's state at t.
-    d_logits, hidden = draft.catch_up(torch.cat([ids[1:], last]), aux, 0)
-    out = Generation(tokens, 0.0)
-    m = n  # position of `last`
+    _check_room(verifier, len(prompt_ids) + max_new_tokens + draft_tokens + 1)
+    # fused rounds: recording a round's graph runs it three times, each past the last (see GreedyRounds)
+    draft.reset(len(prompt_ids) + max_new_tokens + draft_tokens + 1 + (3 * (draft_tokens + 1) if fused else 0))
+    with verifier.session():  # the verifier's attention switched once for the turn, not per forward
+        if fused and temperature == 0:
+            out = _greedy_rounds(verifier, draft, prompt_ids, max_new_tokens=max_new_tokens, K=draft_tokens,
+                                 eos_ids=eos_ids)  # fmt: skip
+        else:
+            out = _speculative(verifier, draft, prompt_ids, max_new_tokens=max_new_tokens, K=draft_tokens,
+                               eos_ids=eos_ids, temperature=temperature, generator=generator)  # fmt: skip
+    _sync(dev)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *, max_new_tokens: int,
+                 K: int, eos_ids: set[int], temperature: float,
+                 generator: torch.Generator | None) -> Generation:  # fmt: skip
+    logits, last, d_logits, hidden, out, done = _prompt(verifier, draft, prompt_ids, max_new_tokens=max_new_tokens,
+                                                        eos_ids=eos_ids, temperature=temperature,
+                                                        generator=generator)  # fmt: skip
+    m = len(prompt_ids)  # position of `last`
     while not done:
-        drafted, q = [], []
-        for j in range(K):
-            if j:
-                d_logits, hidden = draft.step(drafted[-1], hidden, m - 1 + j)
-            if temperature == 0:
-                drafted.append(draft.to_target[d_logits.argmax(-1, keepdim=True)])
-            else:
+        if temperature == 0:  # the K drafting steps, argmax and vocab map included, as one graph
+            proposal = draft.propose(d_logits, hidden, m, K)  # [K] target ids
+        else:
+            drafted, q = [], []
+            for j in range(K):
+                if j:
+                    d_logits, hidden = draft.step(drafted[-1], hidden, m - 1 + j)
                 probs = torch.softmax(d_logits / temperature, -1)  # [N] over the draft vocab
                 drafted.append(draft.to_target[torch.multinomial(probs, 1, generator=generator)])
                 q.append(torch.zeros_like(logits[-1]).index_copy_(0, draft.to_target, probs))  # [V], 0 off-vocab
-        proposal = torch.cat(drafted)  # [K] target ids
+            proposal = torch.cat(drafted)  # [K] target ids
         # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
         logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
         if temperature == 0:
@@ -263,21 +316,106 @@ def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_i
             accepted, nxt = verify_sampled(torch.softmax(logits / temperature, -1)[None], torch.stack(q)[None],
                                            proposal[None], generator=generator)  # fmt: skip
         host = torch.cat([accepted, nxt, proposal]).tolist()  # the round's one device->host sync
-        a = host[0]
-        before = len(tokens)
-        tokens, done = _finish(tokens + host[2 : 2 + a] + [host[1]], max_new_tokens, eos_ids)
-        kept = len(tokens) - before  # of the a + 1 tokens the round made
-        out.accepted.append(min(a, kept))
-        out.produced.append(kept)
-        out.proposals.append(host[2:])
+        a, done = _account(out, host, max_new_tokens, eos_ids)
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
         last = nxt
         if not done:
             d_logits, hidden = draft.catch_up(torch.cat([proposal[:a], nxt]), aux[: a + 1], m)
         m += a + 1
-    out.tokens = tokens
-    _sync(dev)
-    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _prompt(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *, max_new_tokens: int,
+            eos_ids: set[int], temperature: float, generator: torch.Generator | None):  # fmt: skip
+    """The prompt's forward, the first token and the draft's catch-up over the prompt -> (verifier logits,
+    ``last [1]``, draft logits, ``next_hidden``, the :class:`Generation` begun, done)."""
+    ids = torch.tensor(prompt_ids, device=verifier.device)
+    logits, aux = verifier.forward(ids, 0, last_only=True)
+    last = _pick(logits[-1], temperature, generator)  # [1]
+    tokens, done = _finish([int(last)], max_new_tokens, eos_ids)
+    # The draft's view of the prompt: position t reads token x_{t+1} and the verifier's state at t.
+    d_logits, hidden = draft.catch_up(torch.cat([ids[1:], last]), aux, 0)
+    return logits, last, d_logits, hidden, Generation(tokens, 0.0), done
+
+
+def _account(out: Generation, host: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[int, bool]:
+    """A round's ``[accepted, next token, proposal...]`` into ``out`` -> (accepted, done). What the output keeps
+    past an end of turn or ``max_new_tokens`` is not counted as accepted."""
+    a = host[0]
+    before = len(out.tokens)
+    out.tokens, done = _finish(out.tokens + host[2 : 2 + a] + [host[1]], max_new_tokens, eos_ids)
+    kept = len(out.tokens) - before  # of the a + 1 tokens the round made
+    out.accepted.append(min(a, kept))
+    out.produced.append(kept)
+    out.proposals.append(host[2:])
+    return a, done
+
+
+class GreedyRounds:
+    """A whole greedy round as one CUDA graph per key bucket: the K - 1 drafting steps, the verifier's forward
+    over ``last`` and the K drafts, the acceptance, and the draft's catch-up; the host replays it and reads
+    ``[accepted, next token, proposal]`` once (the round's only sync).
+
+    As in vLLM's padded drafter (``v1/spec_decode``'s ``propose`` with ``num_rejected_tokens`` kept on the GPU),
+    the catch-up always runs over the ``K + 1`` positions the verifier fed, so its shape does not depend on the
+    accepted count; the position ``m``, the last token and the draft's logits and state at the accepted prefix's
+    end stay on the device. The positions past the accepted prefix get garbage that every later forward (the
+    next round's drafting steps, its verify forward, its catch-up) overwrites before a query at or after them
+    reads them, so neither cache needs truncating.
+    """
+
+    def __init__(self, verifier: SequenceDecoder, draft: DraftRunner, K: int) -> None:
+        from eyas.engine.graphs import Graphs
+
+        dev = verifier.device
+        self.verifier, self.draft, self.K = verifier, draft, K
+        self.graphs = Graphs(dev, enabled=verifier.graphs.enabled and draft.graphs.enabled,
+                             compile_model=verifier.graphs.compile_model)  # fmt: skip
+        cfg = draft.draft.config
+        self.m = torch.zeros(1, dtype=torch.long, device=dev)  # position of `last`
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.d_logits = torch.zeros(cfg.draft_vocab_size, dtype=torch.float32, device=dev)
+        self.hidden = torch.zeros(1, 1, cfg.hidden_size, dtype=draft.dtype, device=dev)
+        self.out = torch.zeros(K + 2, dtype=torch.long, device=dev)  # [accepted, next, proposal]
+        self.steps = torch.arange(K + 1, device=dev)
+
+    def _round(self) -> None:
+        v, d, K = self.verifier, self.draft, self.K
+        proposal = d._chain(self.d_logits, self.hidden, self.m.view(1, 1), K)  # [K] target ids
+        pos = (self.m + self.steps)[None]  # [1, K+1]
+        v.slots.start.copy_(self.m)
+        logits, aux = v._forward(torch.cat([self.last, proposal])[None], pos, 0)  # [K+1, V], [K+1, 3H]
+        accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
+        ids = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)  # position m+j reads token x_{m+j+1}
+        normed, next_hidden = d.draft.step(ids[None], d.draft.fuse(aux[None].to(d.dtype)), pos, d.cache)
+        self.d_logits.copy_(d.draft.compute_logits(normed[0].index_select(0, accepted))[0].float())
+        self.hidden.copy_(next_hidden.index_select(1, accepted))
+        self.out.copy_(torch.cat([accepted, nxt, proposal]))
+        self.last.copy_(nxt)
+        self.m.add_(accepted + 1)
+
+    def run(self, m: int) -> list[int]:
+        """One round from position ``m`` (the host's copy of ``self.m``) -> ``[accepted, next, proposal...]``."""
+        v = self.verifier
+        v.slots.keys = key_bucket(m + self.K + 1, v.capacity)
+        self.graphs.run(("round", v.slots.keys), v._engage(self._round),
+                        state=(self.m, self.last, self.d_logits, self.hidden))  # fmt: skip
+        return self.out.tolist()
+
+
+def _greedy_rounds(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *, max_new_tokens: int,
+                   K: int, eos_ids: set[int]) -> Generation:  # fmt: skip
+    _, last, d_logits, hidden, out, done = _prompt(verifier, draft, prompt_ids, max_new_tokens=max_new_tokens,
+                                                   eos_ids=eos_ids, temperature=0.0, generator=None)  # fmt: skip
+    r = draft.rounds(verifier, K)
+    m = len(prompt_ids)
+    r.m.fill_(m)
+    r.last.copy_(last)
+    r.d_logits.copy_(d_logits)
+    r.hidden.copy_(hidden.reshape(r.hidden.shape))
+    while not done:
+        a, done = _account(out, r.run(m), max_new_tokens, eos_ids)
+        m += a + 1
     return out
 
 

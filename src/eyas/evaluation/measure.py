@@ -81,19 +81,21 @@ class Runners:
     base: SequenceDecoder
     draft: DraftRunner
     draft_tokens: list[int]
+    fused_rounds: bool = False  # greedy rounds as one graph each (speculative.GreedyRounds)
 
     @classmethod
     def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int, cuda_graphs: bool = True,
-              compile: bool = True) -> "Runners":  # fmt: skip
+              compile: bool = True, attention: str = "auto", fused_rounds: bool = False) -> "Runners":  # fmt: skip
         """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front."""
         Ks = sorted(set(draft_tokens))
-        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile)
+        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention)
         r = cls(
             spec=SequenceDecoder(model, aux_layer_ids=draft.config.aux_layer_ids, graph_lengths=[K + 1 for K in Ks],
                                  **kw),  # fmt: skip
-            base=SequenceDecoder(model, graph_lengths=(1,), **kw),
+            base=SequenceDecoder(model, graph_lengths=(), **kw),  # plain steps: SequenceDecoder.decode's graphs
             draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs),
             draft_tokens=Ks,
+            fused_rounds=fused_rounds,
         )  # fmt: skip
         r.draft.reset(max_len)
         r._warm_up()
@@ -101,9 +103,10 @@ class Runners:
 
     @torch.no_grad()
     def _warm_up(self) -> None:
-        """Record every graph the timed loops can replay, outside the timing: the plain step and each
+        """Record every graph the timed loops can replay, outside the timing: the plain (greedy) step and each
         verification length at every key-length bucket up to the capacity, the draft's catch-ups over 1..K+1
-        positions and its drafting step. (Eager decoding, as on CPU, has nothing to prepare.)"""
+        positions, its drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's round at
+        every bucket. (Eager decoding, as on CPU, has nothing to prepare.)"""
         from eyas.engine.slots import KEY_BUCKETS
 
         if not self.base.graphs.enabled:
@@ -113,13 +116,22 @@ class Runners:
         Kmax = max(self.draft_tokens)
         ids = torch.arange(1, Kmax + 2, device=self.spec.device)
         for end in starts:
-            self.base.forward(ids[:1], end - 1)
+            for _ in self.base.decode(ids[:1], end - 1, 1):  # the plain step (greedy) at this key bucket
+                pass
             for K in self.draft_tokens:
                 _, aux = self.spec.forward(ids[: K + 1], end - K - 1)
-        self.draft.reset(cap)
+        # fused rounds run up to three rounds past the last position while their graphs are recorded
+        self.draft.reset(cap + (4 * (Kmax + 1) if self.fused_rounds else 0))
         for T in range(1, Kmax + 2):
-            _, hidden = self.draft.catch_up(ids[:T], aux[:1].expand(T, -1), 0)
+            logits, hidden = self.draft.catch_up(ids[:T], aux[:1].expand(T, -1), 0)
         self.draft.step(ids[:1], hidden, Kmax + 1)
+        for K in self.draft_tokens:
+            self.draft.propose(logits, hidden, Kmax + 1, K)
+        if self.fused_rounds:  # each round's graph per key bucket
+            with self.spec.session():
+                for K in self.draft_tokens:
+                    for end in starts:
+                        self.draft.rounds(self.spec, K).run(end - K - 1)
         self.draft.reset(cap)
 
 
@@ -178,7 +190,7 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
             outs = {}
             for K in Ks:
                 spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec[K],
-                                            **kw)  # fmt: skip
+                                            fused=runners.fused_rounds, **kw)  # fmt: skip
                 s = m.spec[K]
                 s.accepted += spec.accepted
                 s.produced += spec.produced
