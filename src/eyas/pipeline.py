@@ -57,6 +57,7 @@ def run_pipeline(c: RunConfig) -> dict[str, Any]:
     """Run `eyas run` as ``c`` describes (see :class:`RunConfig`)."""
     config = c.config
     path, root, plan = check(config)
+    _check_inputs(path, plan, [Path(c.out).resolve() for _, _, c in plan if getattr(c, "out", None)])
     results = {}
     for name, stage, args in plan:
         print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in changed(args).items()))
@@ -119,7 +120,6 @@ def check(config: str) -> tuple[Path, Path, list[tuple[str, Callable[[Any], Any]
         if inside:
             raise EyasError(f"{path}: [{n}] out {out} is inside {inside[0]}, the folder [{inside[1]}] writes; give "
                             f"[{n}] an out of its own, outside it")  # fmt: skip
-    _check_inputs(path, plan, [o for o, _ in outs])
     return path, root, plan
 
 

@@ -248,16 +248,54 @@ def test_damaged_prepared_rows(made, scratch, capsys, data, how):
     ])  # fmt: skip
 
 
+def _foreign_outs(root: Path, made) -> list[Path]:
+    """--out targets no stage may write into: a copy of the verifier checkpoint, a folder with a user's file."""
+    mine = root / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    return [Path(shutil.copytree(made.verifier, root / "verifier")), mine]
+
+
 @PROPERTY
 @given(data=st.data(), how=DAMAGE)
 def test_damaged_features(made, scratch, capsys, data, how):
     root = scratch()
     feats = _damaged_copy(made.features, root, data, how)
+    train = ["train", "--verifier", made.verifier, "--data", str(feats), "--vocab", str(made.vocab), "--max-steps",
+             "1", "--max-seq-len", "64", "--num-workers", "0"]  # fmt: skip
     _each_succeeds_or_says_why(capsys, root, [
         (["extract", "--verify", str(feats)], None),
-        (["train", "--verifier", made.verifier, "--data", str(feats), "--vocab", str(made.vocab), "--out",
-          str(root / "d"), "--max-steps", "1", "--max-seq-len", "64", "--num-workers", "0"], "d"),
+        *[([*train, "--out", str(out)], None) for out in _foreign_outs(root, made)],  # refused: nothing changes
+        ([*train, "--out", str(root / "d")], "d"),
     ])  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["[]", "no shards", "no layer_ids", "a shard without its file"])
+def test_a_features_manifest_of_the_wrong_shape_is_one_line(made, tmp_path, capsys, damage):
+    """A features manifest that is a JSON list, or lacks a key its readers take: train, extract --verify and eval
+    --offline used to end in AttributeError or KeyError."""
+    feats = shutil.copytree(made.features, tmp_path / "features")
+    m = json.loads((feats / "manifest.json").read_text())
+    if damage == "[]":
+        m = []
+    elif damage == "no shards":
+        del m["outputs"]["shards"]
+    elif damage == "no layer_ids":
+        del m["layer_ids"]
+    else:
+        del m["outputs"]["shards"][0]["file"]
+    (feats / "manifest.json").write_text(json.dumps(m))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi"]}) + "\n")
+    named = "JSON list" if damage == "[]" else "outputs.shards" if damage != "no layer_ids" else "layer_ids"
+    before = tree(tmp_path)
+    for argv in (["extract", "--verify", str(feats)],
+                 ["train", "--verifier", made.verifier, "--data", str(feats), "--vocab", str(made.vocab), "--out",
+                  str(tmp_path / "d"), "--max-steps", "1", "--num-workers", "0"],
+                 ["eval", "--verifier", made.verifier, "--draft", str(made.draft), "--prompts", str(prompts),
+                  "--offline", str(feats), "--max-new-tokens", "2"]):  # fmt: skip
+        refused(capsys, argv, str(feats / "manifest.json"), named)
+    assert tree(tmp_path) == before
 
 
 @PROPERTY
@@ -268,6 +306,10 @@ def test_damaged_draft(made, scratch, capsys, data, how):
     prompts = root / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Hi"]}) + "\n")
     _each_succeeds_or_says_why(capsys, root, [
+        *[(["export", str(draft), "--out", str(out), "--verifier", made.verifier], None)
+          for out in _foreign_outs(root, made)],  # refused: nothing changes
+        (["eval", "--verifier", made.verifier, "--draft", str(draft), "--prompts", str(prompts), "--max-new-tokens",
+          "2", "--out", str(root / "verifier" / "config.json")], None),
         (["export", str(draft), "--out", str(root / "e"), "--format", "eagle", "--verifier", made.verifier], "e"),
         (["eval", "--verifier", made.verifier, "--draft", str(draft), "--prompts", str(prompts), "--max-new-tokens",
           "2", "--out", str(root / "r")], "r"),

@@ -330,6 +330,73 @@ def test_a_server_that_never_answers_is_one_clear_error():
         _client(f"http://127.0.0.1:{_free_port()}/v1", retries=1)
 
 
+def test_a_body_that_is_not_json_is_one_clear_error():
+    """A proxy's HTML page where the API should be: the openai client hands back a str, and eyas used to end in
+    AttributeError inside it."""
+    import socketserver
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _html(self):
+            body = b"<html>502 Bad Gateway</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if not box["models_json"]:
+                return self._html()
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                           "owned_by": "t"}]}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = _html
+
+    box = {"models_json": False}
+    httpd = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    try:
+        with pytest.raises(EyasError, match=r"/models answered something that is not an OpenAI model list"):
+            _client(url, retries=0)
+        box["models_json"] = True
+        with pytest.raises(EyasError, match=r"/chat/completions answered something that is not an OpenAI chat"):
+            _client(url, retries=0).answer(CONVS[:1])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_server_that_accepts_and_never_answers_is_named_within_the_probe_timeout(monkeypatch, capsys):
+    """It used to hold a run for (6 + 1) x 600 s at the default flags, silent; /models is now asked first with a
+    short timeout, and the wait is announced."""
+    import socket
+
+    import eyas.engine.remote
+
+    monkeypatch.setattr(eyas.engine.remote, "PROBE_TIMEOUT", 0.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections (the kernel's backlog) and never answers
+    try:
+        started = time.monotonic()
+        with pytest.raises(EyasError, match=r"/models gave no answer within 0.5 s in 2 tries: the server accepts "
+                                            r"connections but does not answer"):  # fmt: skip
+            _client(f"http://127.0.0.1:{listener.getsockname()[1]}/v1", retries=1, model="m")
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()
+    assert "asking http://127.0.0.1" in capsys.readouterr().err
+
+
 def test_error_answers_too_long_counted_others_named(monkeypatch):
     """A context-too-long 400 is an answer of None (regenerate counts it); any other 400 and a refused key are
     errors that say what to do, with the key scrubbed from them."""

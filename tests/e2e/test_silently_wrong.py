@@ -186,3 +186,41 @@ def test_export_without_verifier_checks_the_aux_layers_against_the_one_the_draft
     refused(capsys, ["export", str(draft), "--out", str(tmp_path / "e")], "[99]", "8 layers", made.verifier)
     assert {k: v for k, v in tree(tmp_path).items() if k != "draft/manifest.json"} == \
         {k: v for k, v in before.items() if k != "draft/manifest.json"}  # fmt: skip
+
+
+class _CutWhileReading:
+    """Rows of a features folder whose shard is cut short by the reading worker itself, between two reads: the
+    second read touches pages past the new end of the memory-mapped file (SIGBUS), as a shard truncated under a
+    running train does."""
+
+    def __init__(self, rows, shard):
+        self.rows, self.shard = rows, shard
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        self.rows.row(0)
+        with open(self.shard, "r+b") as f:
+            f.truncate(4096)
+        return self.rows.row(len(self.rows) - 1).aux.sum()
+
+
+def test_a_shard_cut_short_under_a_running_train_is_named_not_blamed_on_shared_memory(made, tmp_path):
+    """The DataLoader says its worker was "killed by signal: Bus error" and suggests shared memory; train names the
+    shard whose size no longer matches its manifest."""
+    import torch
+
+    from eyas.training.batches import FeatureRows
+    from eyas.training.trainer import loader_error
+
+    feats = shutil.copytree(made.features, tmp_path / "features")
+    shard = sorted(feats.glob("rows_*.safetensors"))[0]
+    rows = FeatureRows(str(feats), dtype=torch.float32)
+    loader = torch.utils.data.DataLoader(_CutWhileReading(rows, shard), batch_size=None, num_workers=1)
+    with pytest.raises(RuntimeError, match="DataLoader worker") as e:  # "killed by signal: Bus error", or "exited"
+        list(loader)
+    err = loader_error(rows, e.value)
+    assert isinstance(err, EyasError)
+    assert f"feature shard {shard} changed while training read it (4096 bytes" in str(err)
+    assert loader_error(rows, RuntimeError("CUDA out of memory")).args == ("CUDA out of memory",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,34 @@ def test_stage_output_refuses_another_stages_folder_before_locking_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
     with pytest.raises(AssertionError, match="before up_to_date"), StageOutput(tmp_path / "v", stage="vocab") as o:
         o.finish(outputs={})
+
+
+def test_a_full_disk_during_a_write_is_one_line_and_leaves_nothing(tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    target = tmp_path / "a.bin"
+    with pytest.raises(EyasError, match=rf"writing {target}: the disk is full .* resumes once there is room"):
+        with atomic_path(target) as tmp, open("/dev/full", "wb") as full:
+            tmp.write_bytes(b"x")
+            full.write(b"x" * 65536)
+            full.flush()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_size_limit_during_a_write_is_one_line(made, tmp_path):
+    """`ulimit -f` below the size of the weights: export's safetensors write (SafetensorError) and prepare's Arrow
+    part (OSError) used to end in a traceback; the message says what ran out, the output stays consistent."""
+    import resource
+
+    import eyas
+
+    draft = made.draft
+    env = {**os.environ, "PYTHONPATH": str(Path(eyas.__file__).parents[1]), "PYTHONDONTWRITEBYTECODE": "1"}
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))  # noqa: E731
+    for argv in (["export", str(draft), "--out", str(tmp_path / "e"), "--dtype", "float32"],
+                 ["prepare", "--verifier", made.verifier, "--data", str(made.conversations), "--out",
+                  str(tmp_path / "p"), "--num-proc", "1"]):  # fmt: skip
+        r = subprocess.run([sys.executable, "-c", "import sys; from eyas.cli import main; sys.exit(main(sys.argv[1:]))",
+                            *argv], env=env, preexec_fn=limit, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "file-size limit of this process" in r.stderr.splitlines()[-1], r.stderr
+    assert not (tmp_path / "e").exists() and not (tmp_path / "p" / "manifest.json").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,57 @@ def test_device_cuda_without_a_gpu(made, tmp_path, capsys):
     refused(capsys, ["eval", "--verifier", made.verifier, "--draft", "random", "--prompts", str(prompts),
                      "--device", "cuda:0"], "--device cuda:0", "no CUDA GPU")  # fmt: skip
     refused(capsys, _train(made, tmp_path / "d", "--device", "tpu7"), "--device 'tpu7'")
+    for device_map in ("cuda", "cuda:0"):  # a device map naming a device: AssertionError from torch before
+        refused(capsys, ["extract", "--verifier", made.verifier, "--data", str(made.prepared), "--out",
+                         str(tmp_path / "f"), "--device-map", device_map], f"--device-map {device_map}",
+                "no CUDA GPU")  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an Apple GPU")
+def test_device_mps_without_one(made, tmp_path, capsys):
+    refused(capsys, ["extract", "--verifier", made.verifier, "--data", str(made.prepared), "--out",
+                     str(tmp_path / "f"), "--device", "mps"], "--device mps", "no Apple GPU")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nan_and_huge_numbers_are_one_line(made, tmp_path, capsys):
+    """NaN passes every comparison (--lr nan reached the optimizer's ValueError); a count past int64 ended in
+    OverflowError, and a --max-seq-len past 32 bits in a tensor size that overflowed."""
+    for flag, value, said in (("--lr", "nan", "finite"), ("--clip", "inf", "finite"), ("--step-loss-decay", "nan",
+                              "finite"), ("--max-seq-len", str(10**20), "at most 2147483647"),
+                              ("--batch-tokens", str(2**40), "at most 2147483647"), ("--seed", str(10**20),
+                              "too large")):  # fmt: skip
+        refused(capsys, _train(made, tmp_path / "d", flag, value), flag, said)
+    refused(capsys, ["regenerate", "--verifier", made.verifier, "--data", str(made.conversations), "--out",
+                     str(tmp_path / "r"), "--max-seq-len", str(10**20)], "--max-seq-len")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_that_cannot_fit_in_memory_is_refused_before_it_is_allocated(made, tmp_path, capsys):
+    """`train --max-seq-len 1000000000` was killed by the kernel at 23 GB with no message."""
+    refused(capsys, _train(made, tmp_path / "d", "--max-seq-len", "1000000000"),  # (the later flag wins)
+            "--max-seq-len 1000000000", "of host memory", "lower --max-seq-len")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("template, line, said", [
+    ("{{ messages | nosuchfilter }}", 1, "No filter named 'nosuchfilter'"),
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", 2, "TemplateSyntaxError"),
+    ("{% for m in messages %}\n{{ m.content }}\n{% if m.role == 'user' %}{{ raise_exception('no system role') }}"
+     "{% endif %}{% endfor %}", 3, "no system role"),
+])  # fmt: skip
+def test_a_chat_template_file_that_fails_names_its_line(made, tmp_path, capsys, template, line, said):
+    """A Jinja syntax error, an unknown filter, a raise_exception: prepare, regenerate and eval used to end in a
+    jinja2 traceback."""
+    t = tmp_path / "t.jinja"
+    t.write_text(template)
+    v = ["--verifier", made.verifier, "--chat-template", str(t)]
+    for argv in (["prepare", *v, "--data", str(made.conversations), "--out", str(tmp_path / "p"), "--num-proc", "1"],
+                 ["regenerate", *v, "--data", str(made.conversations), "--out", str(tmp_path / "r")],
+                 ["eval", *v, "--draft", "random", "--prompts", str(made.conversations), "--max-new-tokens", "2"]):
+        refused(capsys, argv, f"--chat-template {t}, line {line}", said, alone=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jinja"]
 
 
 # --------------------------------------------------------------------------- places
@@ -195,3 +246,26 @@ def test_range_reads_as_it_checks():
     assert str(Range(0, low_open=True)) == "above 0" and 0 not in Range(0, low_open=True)
     r = Range(0, 1, high_open=True)
     assert str(r) == "at least 0 and below 1" and 0 in r and 0.5 in r and 1 not in r
+
+
+# --------------------------------------------------------------------------- checkpoints eyas plan and inspect read
+
+
+@pytest.mark.parametrize("value", ['"64"', "-64", "NaN", "1e400", "true"])
+def test_plan_and_inspect_on_a_config_with_a_bad_size(made, tmp_path, capsys, value):
+    """hidden_size a string, negative, NaN, infinite: plan and inspect used to end in TypeError, RuntimeError or
+    ValueError."""
+    v = shutil.copytree(made.verifier, tmp_path / "v")
+    text = (v / "config.json").read_text()
+    (v / "config.json").write_text(text.replace('"hidden_size": 64', f'"hidden_size": {value}'))
+    for argv in (["plan", str(v), "--tokens", "1000"], ["inspect", str(v)]):
+        refused(capsys, argv, str(v / "config.json"), "hidden_size is", "at least 1")
+
+
+def test_plan_on_a_file(made, tmp_path, capsys):
+    """A GGUF file (plan reads config.json and headers) or the config.json itself: NotADirectoryError before."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    refused(capsys, ["plan", str(gguf), "--tokens", "1000"], str(gguf), "GGUF file")
+    refused(capsys, ["plan", str(Path(made.verifier) / "config.json"), "--tokens", "1000"], "config.json",
+            "checkpoint directory")  # fmt: skip

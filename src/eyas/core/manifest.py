@@ -81,10 +81,33 @@ def atomic_path(path: str | os.PathLike, *, is_dir: bool = False) -> Iterator[Pa
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         if tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        ran_out = out_of_room(e)
+        if ran_out:
+            raise EyasError(f"writing {final}: {ran_out}; nothing was left half-written, and the same command "
+                            "resumes once there is room") from e  # fmt: skip
         raise
+
+
+def out_of_room(e: BaseException) -> str | None:
+    """What ran out, when ``e`` is a write that failed for want of room: a full disk, a quota, the file-size limit
+    (``ulimit -f``), as an OSError or as the message of a library that wraps it (safetensors' SafetensorError)."""
+    import errno
+
+    import resource
+
+    code = e.errno if isinstance(e, OSError) else None
+    text = str(e)
+    if isinstance(e, RuntimeError) and "unexpected pos" in text:  # torch.save's zip writer after a short write
+        limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        code = errno.EFBIG if limited else errno.ENOSPC
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "StorageFull" in text:
+        return "the disk is full (no space left on the device); free some space or choose another --out"
+    if code == errno.EFBIG or "FileTooLarge" in text or "File too large" in text:
+        return "a file grew past the file-size limit of this process; raise it (`ulimit -f`)"
+    return None
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -172,6 +195,9 @@ def read_manifest(out_dir: str | os.PathLike, *, stage: str | None = None) -> di
         made_by = f"`eyas {stage}`" if stage else "an eyas stage"
         raise EyasError(f"{path} not found: {out_dir} was not made by {made_by} (or it did not finish)")
     manifest = read_json(path, what="manifest")
+    if not isinstance(manifest, dict):
+        raise EyasError(f"{path} is a JSON {type(manifest).__name__}, not the object a manifest is: it is damaged; "
+                        f"run `eyas {stage or 'STAGE'}` again into a new --out")  # fmt: skip
     if stage is not None and manifest.get("stage") != stage:
         raise EyasError(f"{path} was written by `eyas {manifest.get('stage')}`, not `eyas {stage}`")
     return manifest

@@ -12,6 +12,7 @@ error naming the flag or key as the user wrote it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -38,22 +39,25 @@ class Range:
         return self.high is None or (v < self.high or (not self.high_open and v == self.high))
 
     def __str__(self) -> str:
-        low = None if self.low is None else f"{'above' if self.low_open else 'at least'} {self.low:g}"
-        high = None if self.high is None else f"{'below' if self.high_open else 'at most'} {self.high:g}"
+        num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"  # noqa: E731 (2147483647, not 2.1e+09)
+        low = None if self.low is None else f"{'above' if self.low_open else 'at least'} {num(self.low)}"
+        high = None if self.high is None else f"{'below' if self.high_open else 'at most'} {num(self.high)}"
         return " and ".join(x for x in (low, high) if x)
 
 
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
+#: A count of tokens in one sequence or batch: tensors are indexed with 32-bit offsets.
+TOKENS = Range(1, 2**31 - 1)
 
 #: The numbers each argument accepts, by name. Counts of work (epochs, steps, tokens to generate) start at 1: zero
 #: would finish with nothing done and look like a result.
 RANGES: dict[str, Range] = {
-    "epochs": AT_LEAST_1, "max_steps": AT_LEAST_1, "max_new_tokens": AT_LEAST_1, "max_samples": AT_LEAST_1,
+    "epochs": AT_LEAST_1, "max_steps": AT_LEAST_1, "max_new_tokens": TOKENS, "max_samples": AT_LEAST_1,
     "max_turns": AT_LEAST_1, "num_prompts": AT_LEAST_1, "offline_rows": AT_LEAST_1, "draft_tokens": AT_LEAST_1,
     "tokens": AT_LEAST_1, "gpus": AT_LEAST_1, "gpu_memory": ABOVE_0, "disk": AT_LEAST_0,
     "concurrency": AT_LEAST_1, "server_timeout": ABOVE_0,
     "ttt_steps": AT_LEAST_1, "speculative_tokens": AT_LEAST_1,
-    "max_seq_len": Range(2), "batch_tokens": AT_LEAST_1, "batch_size": AT_LEAST_1, "shard_tokens": AT_LEAST_1,
+    "max_seq_len": Range(2, 2**31 - 1), "batch_tokens": TOKENS, "batch_size": AT_LEAST_1, "shard_tokens": TOKENS,
     "draft_vocab_size": AT_LEAST_1, "loss_chunk_tokens": AT_LEAST_1, "grad_accum": AT_LEAST_1,
     "intermediate_size": AT_LEAST_1, "num_attention_heads": AT_LEAST_1, "num_key_value_heads": AT_LEAST_1,
     "head_dim": AT_LEAST_1,
@@ -63,6 +67,9 @@ RANGES: dict[str, Range] = {
     "step_loss_decay": AT_LEAST_0, "val_ratio": Range(0, 1, high_open=True), "temperature": AT_LEAST_0,
     "seed": AT_LEAST_0,
 }  # fmt: skip
+
+#: The largest whole number an argument takes: what numpy's and torch's int64 sizes hold with room to multiply.
+MAX_INT = 2**62
 
 #: Arguments that name a folder the stage writes (eval's ``--out`` may also name its ``.json`` report).
 OUTPUTS = ("out", "speculators_out")
@@ -105,6 +112,10 @@ def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str]
             _check_owner(config.stage, name, Path(value), f"{at}{label(name)}")
         if name == "device" and value is not None:
             _check_device(str(value), f"{at}{label(name)}")
+        if name == "device_map" and value is not None:  # a device, or a map of modules to devices
+            for where in [value] if not isinstance(value, dict) else value.values():
+                if where not in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+                    _check_device(f"cuda:{where}" if isinstance(where, int) else str(where), f"{at}{label(name)}")
     try:
         return config(**values)  # and the rules between its fields (StageConfig.check), which name flags
     except EyasError as e:
@@ -121,6 +132,10 @@ def check_values(config: type, values: dict[str, Any], *, label: Callable[[str],
         if name in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
             if value not in RANGES[name]:
                 raise EyasError(f"{label(name)} must be {RANGES[name]}, got {value!r}")
+        big = next((v for v in (value if isinstance(value, list) else [value])
+                    if isinstance(v, int) and abs(v) > MAX_INT), None)  # fmt: skip
+        if big is not None:  # beyond what numpy's and torch's sizes hold
+            raise EyasError(f"{label(name)} {big} is too large: give at most {MAX_INT}")
         out[name] = value
     return out
 
@@ -168,6 +183,8 @@ def _typed(value: Any, annotation: Any, what: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EyasError(f"{what} must be a number, got {_describe(value)}")
+        if not math.isfinite(value):  # NaN passes every range comparison
+            raise EyasError(f"{what} must be a finite number, got {value!r}")
         return float(value)
     if tp in (str, Path):
         if not isinstance(value, (str, os.PathLike)):
@@ -208,6 +225,11 @@ def _check_device(device: str, what: str) -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise EyasError(f"{what} {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise EyasError(f"{what} mps: this torch has no Apple GPU (MPS) to use here (torch {torch.__version__}); "
+                        "use --device cpu")  # fmt: skip
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise EyasError(f"{what} {device!r}: eyas runs on cpu or cuda (cuda:N)")
     if dev.type != "cuda":
         return
     if not torch.cuda.is_available():

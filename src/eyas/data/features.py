@@ -376,7 +376,29 @@ def read_features_manifest(path: str | os.PathLike) -> dict[str, Any]:
     m = read_manifest(path, stage=STAGE)
     if m.get("format") != FORMAT:
         raise EyasError(f"{path / MANIFEST} has format {m.get('format')!r}; this eyas reads {FORMAT!r}")
+    _check_shape(m, path / MANIFEST)
     return m
+
+
+def _check_shape(m: dict[str, Any], where: Path) -> None:
+    """The keys every reader of features takes from the manifest, each of its type: a damaged or hand-edited
+    manifest is one line naming the key, not a KeyError where it is first read."""
+    ints = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    shard = {"file": lambda v: isinstance(v, str) and "/" not in v and v not in ("", ".", ".."), "bytes": ints,
+             "sha256": lambda v: isinstance(v, str), "tokens": ints,
+             "rows": lambda v: isinstance(v, list) and len(v) == 2 and all(map(ints, v))}  # fmt: skip
+    top = {"hidden_size": ints, "num_rows": ints, "dtype": lambda v: v in STORAGE_DTYPES,
+           "layer_ids": lambda v: isinstance(v, list)}  # fmt: skip
+    bad = next((k for k, ok in top.items() if not ok(m.get(k))), None)
+    shards = (m.get("outputs") or {}).get("shards") if isinstance(m.get("outputs"), dict) else None
+    if bad is None and not isinstance(shards, list):
+        bad = "outputs.shards"
+    if bad is None:
+        bad = next((f"outputs.shards[{i}].{k}" for i, s in enumerate(shards) for k, ok in shard.items()
+                    if not isinstance(s, dict) or not ok(s.get(k))), None)  # fmt: skip
+    if bad is not None:
+        raise EyasError(f"{where}: {bad} is missing or of the wrong type; the manifest is damaged: run `eyas "
+                        "extract` again into a new --out")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- checking

@@ -29,6 +29,11 @@ from eyas.core.errors import EyasError
 #: soon that a server is down.
 RETRIES = 6
 
+#: Seconds the first request (``/models``, which a serving engine answers at once) may take. A server that
+#: accepts connections and never answers is named after ``(RETRIES + 1) * PROBE_TIMEOUT`` (about 2.5 minutes),
+#: not after the long timeout an answer of ``max_new_tokens`` may need (``--server-timeout``, 70 minutes in all).
+PROBE_TIMEOUT = 20.0
+
 #: Words of a 400 answer that mean "the conversation no longer fits the model's context": vLLM ("This model's
 #: maximum context length is ...", "... is too long and exceeds limit of ..."), SGLang ("... exceeds the model's
 #: maximum context length ...", "... longer than the model's context length ...") and OpenAI's own wording.
@@ -77,7 +82,7 @@ class Server:
         # a server started without a key ignores the header; the client refuses to start without one
         self.client = openai.OpenAI(base_url=self.url, api_key=key or "no-key", timeout=timeout,
                                     max_retries=retries, default_headers=headers)  # fmt: skip
-        self.model = model or self._first_model()
+        self.model = self._first_model(model)
 
     def answer(self, conversations: list[list[dict[str, Any]]]) -> list[Answer]:
         """One answer per conversation, in order, ``concurrency`` requests at a time."""
@@ -89,13 +94,35 @@ class Server:
     def close(self) -> None:
         self.client.close()
 
-    def _first_model(self) -> str:
+    def _first_model(self, model: str | None) -> str:
+        """``model``, or the first model the server lists; either way ``/models`` is asked first, with a short
+        timeout (:data:`PROBE_TIMEOUT`), so that a server that never answers is named within minutes."""
+        import sys
+
         import openai
 
+        probe_s = min(PROBE_TIMEOUT, self.timeout)
+        print(f"regenerate: asking {self.url}/models (up to {probe_s:g} s a try, {self.retries + 1} tries)",
+              file=sys.stderr, flush=True)  # fmt: skip
         try:
-            listed = self.client.models.list().data
+            page = self.client.with_options(timeout=probe_s).models.list()
+        except openai.NotFoundError:
+            if model:  # a server without /models: the model is named
+                return model
+            raise
+        except openai.APITimeoutError as e:
+            raise self._error("/models", e, timeout=probe_s) from None
         except openai.APIError as e:
             raise self._error("/models", e) from None
+        except (AttributeError, TypeError, ValueError) as e:  # the client choking on a body that is not JSON
+            raise EyasError(self._scrub(f"{self.url}/models answered something that is not an OpenAI model list "
+                                        f"(not JSON?): {e}"[:400])) from None  # fmt: skip
+        listed = getattr(page, "data", None)
+        if not isinstance(listed, list) or not all(isinstance(getattr(m, "id", None), str) for m in listed):
+            raise EyasError(self._scrub(f"{self.url}/models answered something that is not an OpenAI model list "
+                                        f"(not JSON?): {str(page)[:200]!r}"))  # fmt: skip
+        if model:
+            return model
         if not listed:
             raise EyasError(f"{self.url}/models lists no model: name the served model with --server-model")
         return listed[0].id
@@ -116,6 +143,11 @@ class Server:
             raise self._error("/chat/completions", e) from None
         except openai.APIError as e:
             raise self._error("/chat/completions", e) from None
+        except (AttributeError, TypeError, ValueError) as e:  # the client choking on a body that is not JSON
+            got = e
+        if not isinstance(getattr(got, "choices", None), list):
+            raise EyasError(self._scrub(f"{self.url}/chat/completions answered something that is not an OpenAI "
+                                        f"chat completion (not JSON?): {str(got)[:200]!r}"))  # fmt: skip
         if not got.choices or got.choices[0].message is None:
             raise EyasError(self._scrub(f"{self.url}/chat/completions answered no choices[0].message: {got}"[:400]))
         choice = got.choices[0]
@@ -126,12 +158,15 @@ class Server:
         return Answer((choice.message.content or "").strip(), choice.finish_reason == "stop", tokens,
                       reasoning_of(choice.message))  # fmt: skip
 
-    def _error(self, path: str, e: Exception) -> EyasError:
+    def _error(self, path: str, e: Exception, *, timeout: float | None = None) -> EyasError:
         """One clear line for a request the client gave up on (after its retries where they apply)."""
         import openai
 
         where = f"{self.url}{path}"
-        if isinstance(e, openai.APITimeoutError):
+        if isinstance(e, openai.APITimeoutError) and timeout is not None:
+            text = (f"{where} gave no answer within {timeout:g} s in {self.retries + 1} tries: the server accepts "
+                    "connections but does not answer; is it still loading the model, or stuck?")  # fmt: skip
+        elif isinstance(e, openai.APITimeoutError):
             text = (f"{where} gave no answer within {self.timeout:g} s in {self.retries + 1} tries: raise "
                     "--server-timeout, or lower --concurrency (the requests in flight)")  # fmt: skip
         elif isinstance(e, openai.APIConnectionError):

@@ -218,9 +218,12 @@ def header_bytes(path: Path, top: str, num_bits: int) -> tuple[int, int] | None:
 def verifier_memory(verifier: str | Path) -> dict[str, Any]:
     """The verifier's weights: bytes packed and in bf16, parameters, active parameters per token, and the
     packed bytes per decoder layer (for the split over GPUs)."""
-    from eyas.verifier.locate import read_config, text_model_type
+    from eyas.verifier.locate import locate_checkpoint, read_config, text_model_type
 
-    path = Path(verifier)
+    path, gguf = locate_checkpoint(verifier)  # (a file or a missing path is one line there)
+    if gguf:
+        raise EyasError(f"{path / gguf} is a GGUF file: `eyas plan` reads a config.json and safetensors headers; "
+                        "give the checkpoint directory (`eyas inspect` reads GGUF files)")  # fmt: skip
     cfg, key, text = read_config(path)
     text_type = text_model_type(text, cfg)
     q = cfg.get("quantization_config") or text.get("quantization_config")

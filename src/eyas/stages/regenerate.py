@@ -92,8 +92,11 @@ class RegenerateConfig(StageConfig):
                                                      "needs one (the key is sent only in the request header, never "
                                                      "written).")
     concurrency: int = option(16, help="with --server, the requests in flight at once.")
-    server_timeout: float = option(600.0, help="the seconds one --server request may take before it is retried (each "
-                                               "is retried a few times with backoff, as the openai client does).")
+    server_timeout: float = option(600.0, help="the seconds one --server answer may take before it is retried (each "
+                                               "is retried 6 times with backoff, as the openai client does): long "
+                                               "enough for --max-new-tokens at a loaded server. The first request, "
+                                               "/models, waits 20 s a try, so a server that never answers is named "
+                                               "within about 2.5 minutes.")
     strict: bool = option(False, help="stop at the first bad record instead of counting and skipping it.")
     trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
     chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "

@@ -172,6 +172,33 @@ def run(c: TrainConfig) -> dict[str, Any]:
 train = stage_function(TrainConfig, run, "train")
 
 
+def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidden: int, dtype: torch.dtype,
+                       where: torch.device) -> None:  # fmt: skip
+    """Refuse, before anything is allocated, a batch that cannot fit: a step's batches hold ``grad_accum *
+    batch_tokens`` padded positions, each with four verifier states of ``hidden`` (and its ids, positions, masks
+    and targets) on the host, and again on a GPU. A lower bound (activations come on top), so it refuses only the
+    impossible: ``--max-seq-len 1000000000`` used to be killed by the kernel at 23 GB without a word."""
+    import os
+
+    from eyas.data.features import NUM_STATES
+    from eyas.core.manifest import human_bytes
+
+    per_token = NUM_STATES * hidden * dtype.itemsize + 4 * 8
+    need = grad_accum * batch_tokens * per_token
+    try:
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare with
+        host = None
+    places = [("host memory", host)]
+    if where.type == "cuda":
+        places.append((f"memory free on {where}", torch.cuda.mem_get_info(where)[0]))
+    for what, free in places:
+        if free is not None and need > free:
+            raise EyasError(f"--max-seq-len {max_len} (--batch-tokens {batch_tokens}, --grad-accum {grad_accum}) needs "
+                            f"at least {human_bytes(need)} of {what} for a step's batches, but there is "
+                            f"{human_bytes(free)}: lower --max-seq-len or --batch-tokens")  # fmt: skip
+
+
 def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.draft.attention import default_attn_implementation
     from eyas.core.manifest import MANIFEST, StageOutput, read_json, sha256_json
@@ -234,6 +261,8 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
     if c.dist == "fsdp" and c.optimizer == "muon" and d.active:
         raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
+    check_batch_memory(max_len=max_len, batch_tokens=batch_tokens, grad_accum=c.grad_accum, hidden=info.hidden_size,
+                       dtype=compute_dtype, where=where)  # fmt: skip
 
     flat, offsets = source.masks()
     lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)

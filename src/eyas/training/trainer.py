@@ -158,6 +158,24 @@ class _Timer:
         self._t = now
 
 
+def loader_error(source: Any, e: RuntimeError) -> Exception:
+    """The error to raise for a DataLoader that failed: a worker killed by SIGBUS (a memory-mapped shard cut short
+    under it: torch blames shared memory, or says the worker exited unexpectedly) becomes one line naming the
+    shard whose size no longer matches its manifest; anything else is ``e`` itself."""
+    reader = getattr(source, "reader", None)
+    if reader is None or not any(w in str(e) for w in ("Bus error", "killed by signal", "exited unexpectedly")):
+        return e
+    for s in reader.shards:
+        p = reader.path / s["file"]
+        size = p.stat().st_size if p.is_file() else None
+        if size != s["bytes"]:
+            return EyasError(f"feature shard {p} changed while training read it ({size if size is not None else 'no'} "
+                             f"bytes, its manifest says {s['bytes']}): it was cut short or replaced under the run; "
+                             f"extract it again (`eyas extract --verify {reader.path}` names every damaged shard), "
+                             "then rerun the same train command to resume")  # fmt: skip
+    return e
+
+
 class Trainer:
     """Runs the epochs: one instance per process, every rank the same code (rank 0 also writes)."""
 
@@ -400,10 +418,14 @@ class Trainer:
             with atomic_path(path, is_dir=True) as tmp:
                 save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
                 torch.save(state, tmp / STATE_FILE)
-        except (OSError, RuntimeError) as e:  # a full disk reaches torch.save as a RuntimeError from its zip writer
+        except (OSError, RuntimeError, EyasError) as e:  # a full disk reaches torch.save as a RuntimeError
+            from eyas.core.manifest import out_of_room
+
+            cause = e.__cause__ if isinstance(e, EyasError) and e.__cause__ is not None else e
+            why = out_of_room(cause) or f"{type(cause).__name__}: {cause}"
             free = shutil.disk_usage(self.out).free / 2**30
             kept = checkpoint_dirs(self.out)
-            raise EyasError(f"writing checkpoint {path} failed ({type(e).__name__}: {e}); {free:.1f} GiB free on its "
+            raise EyasError(f"writing checkpoint {path} failed ({why}); {free:.1f} GiB free on its "
                             "disk. Nothing half-written was left; "
                             + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
                             + "free space (or lower --keep-checkpoints) and rerun the same command to resume"
@@ -494,7 +516,10 @@ class Trainer:
                 window = time.perf_counter()
                 while self.step_in_epoch < len(steps) and self.global_step < self.total:
                     timer = _Timer(self.device, bool(o.profile_every) and self.global_step % o.profile_every == 0)
-                    item = next(it)
+                    try:
+                        item = next(it)
+                    except RuntimeError as e:
+                        raise loader_error(self.source, e) from e
                     timer.mark("data")
                     self.train_step(item, timer)
                     if timer.enabled:

@@ -283,7 +283,28 @@ def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remo
             raise EyasError(f"could not load the tokenizer of {info.path}: {e}") from e
     if chat_template is not None:
         tok.chat_template = read_chat_template(chat_template)
+        check_template_renders(tok, where=f"--chat-template {chat_template}")
     return tok
+
+
+def check_template_renders(tok, *, where: str) -> None:
+    """Render a one-exchange conversation: a template with a Jinja syntax error, an unknown filter or test, or a
+    ``raise_exception`` on a plain user/assistant exchange is one line naming ``where`` and the template line."""
+    import jinja2
+
+    probe = [{"role": "user", "content": "a question?"}, {"role": "assistant", "content": "an answer."}]
+    try:
+        tok.apply_chat_template(probe, tokenize=False)
+    except jinja2.TemplateError as e:
+        line = getattr(e, "lineno", None)
+        tb = e.__traceback__
+        while tb is not None:  # a runtime error: the deepest frame jinja maps back to the template
+            if tb.tb_frame.f_code.co_filename == "<template>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        at = f", line {line}" if line else ""
+        raise EyasError(f"{where}{at}: the chat template fails on a plain user/assistant exchange "
+                        f"({type(e).__name__}: {e}); fix the template") from None  # fmt: skip
 
 
 

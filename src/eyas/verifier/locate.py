@@ -246,7 +246,18 @@ def read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
     if not isinstance(cfg, dict):
         raise EyasError(f"{cfg_path} is not a JSON object")
     key, text = _find_text_config(cfg, cfg_path)
+    for k in SIZE_KEYS:  # every later reader multiplies or allocates with them
+        v = text.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            at = f"{key}.{k}" if key else k
+            raise EyasError(f"{cfg_path}: {at} is {v!r}; it must be a whole number of at least 1 (the config is "
+                            "damaged or hand-edited)")  # fmt: skip
     return cfg, key, text
+
+
+#: The sizes of a text config: whole numbers of at least 1 where present.
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def weight_refs(path: str | os.PathLike) -> dict[str, TensorRef]:
