@@ -30,7 +30,7 @@ import tiny
 from eyas.draft.checkpoint import load_draft
 from eyas.core.errors import EyasError
 from eyas.stages.export import export
-from test_export import LAYOUTS, random_draft, save
+from drafts import LAYOUTS, random_draft, save
 
 from conftest import SPECULATORS_DIR
 WORKER = Path(__file__).parents[1] / "speculators_worker.py"
