@@ -1,7 +1,8 @@
-"""Gather a ``bench/gpu/quality.sh`` run folder into the one JSON ``bench/results/smollm2-quality.json`` holds.
+"""Gather an ``eyas run`` folder (``bench/gpu/quality.sh``'s run) into the one JSON
+``bench/results/smollm2-quality.json`` holds.
 
-Everything comes from the files the stages wrote (their manifests, the eval reports, ``logs/seconds.txt``), so
-the results file is never typed by hand:
+Everything comes from the files the stages wrote (their manifests, the eval reports under ``eval/``,
+``run_log.jsonl``), so the results file is never typed by hand:
 
     python bench/quality_results.py /tmp/q --out bench/results/smollm2-quality.json
 
@@ -17,8 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-#: eval report file (as quality.sh names them) -> its prompt set
-REPORTS = {"eval_mtbench.json": "mt-bench", "eval_humaneval.json": "humaneval", "eval_mtbench_k57.json": "mt-bench"}
+#: eval report file (``eyas run`` names an ``[[eval]]`` entry's report after its prompts) -> its prompt set
+REPORTS = {"mt-bench.json": "mt-bench", "mt_bench.json": "mt-bench", "humaneval.json": "humaneval",
+           "HumanEval.json": "humaneval"}  # fmt: skip
 
 
 def _read(path: Path) -> dict | None:
@@ -41,16 +43,33 @@ def _measurement(m: dict, report: dict) -> dict:
     return out
 
 
+def _val_curve(draft: Path) -> list[dict]:
+    """Validation tau at each point train validated (each epoch's end): what the epochs are chosen by."""
+    path = draft / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    return [{"step": r["step"], "epoch": r["epoch"], "tau": r["tau"]} for r in rows if r.get("split") == "val"]
+
+
 def gather(run: Path) -> dict:
     """The results of the run folder ``run`` (``$R`` of quality.sh)."""
-    regen, prep, vocab = (_read(run / d / "manifest.json") for d in ("regen", "prep", "vocab"))
-    result: dict = {"what": "SmolLM2-135M-Instruct from nothing to a measured draft: bench/gpu/quality.sh"}
+    selfp, regen, prep, vocab = (_read(run / d / "manifest.json") for d in ("prompts", "regenerated", "prepared",
+                                                                           "vocab"))  # fmt: skip
+    result: dict = {"what": "SmolLM2-135M-Instruct from nothing to a measured draft: eyas run "
+                            "configs/smollm2-gpu.toml (bench/gpu/quality.sh)"}  # fmt: skip
+    if selfp:
+        result["prompts"] = {**{k: selfp["settings"].get(k) for k in ("num_prompts", "temperature", "top_p",
+                                                                      "max_new_tokens")},  # fmt: skip
+                             **selfp["outputs"], **selfp.get("timing", {})}
     if regen:
         o, t = regen["outputs"], regen.get("timing", {})
         result["regenerate"] = {**{k: regen["settings"].get(k) for k in ("max_samples", "max_turns", "max_new_tokens",
                                                                         "max_seq_len")},  # fmt: skip
+                                "data": regen["inputs"]["data"]["source"],
+                                "loop_policy": regen["settings"].get("loops"),
+                                "repetition_penalty": regen["settings"].get("repetition_penalty"),
                                 **{k: o.get(k) for k in ("prompts", "conversations", "answers", "new_tokens",
-                                                          "cut_at_max_new_tokens")},  # fmt: skip
+                                                          "cut_at_max_new_tokens", "loops", "loop_tokens",
+                                                          "trimmed_tokens", "dropped_answers")},  # fmt: skip
                                 "seconds": t.get("seconds"), "new_tokens_per_s": t.get("new_tokens_per_s")}
     if prep:
         result["prepare"] = {k: prep["outputs"].get(k) for k in ("rows", "tokens", "masked_tokens")}
@@ -58,19 +77,22 @@ def gather(run: Path) -> dict:
         result["vocab"] = {"draft_vocab_size": vocab["settings"]["draft_vocab_size"],
                            "masked_coverage": vocab["outputs"].get("masked_coverage")}
     runs = []
-    for m in sorted(run.glob("draft_lr*/manifest.json")):
+    for m in sorted(run.glob("draft*/manifest.json")):
         d = json.loads(m.read_text())
+        if d.get("stage") != "train":  # (the exported copies beside it)
+            continue
         s, o = d["settings"], d["outputs"]
         runs.append({"draft": m.parent.name, "lr": s["lr"], "epochs": s["epochs"], "batch_tokens": s["batch_tokens"],
                      "steps": o.get("steps"), "val_tau": (o.get("val") or {}).get("tau"),
                      "val_acc": (o.get("val") or {}).get("acc"), "train_tau": (o.get("train") or {}).get("tau"),
-                     "tokens_per_s": o.get("tokens_per_s")})  # fmt: skip
+                     "val_covers": {k: v for k, v in ((o.get("val") or {}).get("covers") or {}).items() if k != "what"},
+                     "tokens_per_s": o.get("tokens_per_s"), "val_curve": _val_curve(m.parent)})  # fmt: skip
     if runs:
         result["train"] = {"mode": "online", "runs": runs}
     sets: dict[str, dict] = {}
     device = None
     for name, prompt_set in REPORTS.items():
-        report = _read(run / name)
+        report = _read(run / "eval" / name)
         if report is None:
             continue
         device = device or {k: report.get(k) for k in ("device", "dtype", "cuda_graphs", "compile", "versions")}
@@ -79,15 +101,17 @@ def gather(run: Path) -> dict:
     result["eval"] = sets
     result["device"] = device
     seconds: dict[str, float] = {}
-    log = run / "logs" / "seconds.txt"
-    if log.is_file():
-        for line in log.read_text().splitlines():
-            stage, s = line.split()
-            seconds[stage] = seconds.get(stage, 0) + float(s)
+    finished: set[str] = set()
+    log = run / "run_log.jsonl"  # one line per stage per call (eyas run), a stage cut by a time limit included
+    for line in log.read_text().splitlines() if log.is_file() else ():
+        e = json.loads(line)
+        key = e["stage"] if e["stage"] != "eval" else f"eval {Path(e['out']).stem}"
+        seconds[key] = seconds.get(key, 0) + float(e["seconds"])
+        if e["finished"]:
+            finished.add(key)
     result["minutes_per_stage"] = {k: round(v / 60, 2) for k, v in seconds.items()}
     result["minutes_total"] = round(sum(seconds.values()) / 60, 2)
-    done = {"regenerate", "prepare", "vocab", "train", "eval_mtbench", "eval_humaneval"}
-    result["complete"] = all((run / "logs" / f"{s}.done").exists() for s in done)
+    result["complete"] = bool(seconds) and set(seconds) == finished and bool(sets)
     return result
 
 
@@ -95,11 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path, help="the quality.sh run folder ($R, default /tmp/q there)")
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
+    p.add_argument("--commit", help="the eyas commit the run ran (the GPU machine's copy has no git)")
     a = p.parse_args(argv)
     if not a.run.is_dir():
         print(f"quality_results: {a.run} is not a folder", file=sys.stderr)
         return 2
     result = gather(a.run)
+    if a.commit:
+        result["commit"] = a.commit
     text = json.dumps(result, indent=2) + "\n"
     if a.out:
         a.out.write_text(text)

@@ -88,37 +88,59 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
 
 
-def test_quality_results_gathers_a_run_from_its_stage_outputs(made, tmp_path):
-    """bench/quality_results.py on a quality.sh-shaped run folder made of real stage outputs (regenerate,
-    prepare, vocab, a trained draft, an eval at K = 2 and 3): every figure comes from those files."""
-    from eyas.cli import main
+def _quality_sh(tmp_path, verifier, data, out, budget, sets, until=""):
+    """``bash bench/gpu/quality.sh run`` as the GPU calls run it, on ``verifier`` at toy sizes."""
+    import os
 
-    run = tmp_path / "q"
-    (run / "logs").mkdir(parents=True)
-    for name, src in (("regen", made.regenerated), ("prep", made.prepared), ("vocab", made.vocab),
-                      ("draft_lr1e-3", made.draft)):  # fmt: skip
-        (run / name).symlink_to(src)
-    prompts = tmp_path / "mt.jsonl"
-    prompts.write_text(json.dumps({"question_id": 1, "turns": ["Hi there.", "And again?"]}) + "\n")
-    assert main(["eval", "--verifier", made.verifier, "--draft", str(made.draft), "--prompts", str(prompts),
-                 "--max-new-tokens", "5", "--draft-tokens", "2,3", "--out", str(run / "eval_mtbench.json")]) == 0
-    (run / "logs" / "seconds.txt").write_text("regenerate 30\nregenerate 90\ntrain 60\n")  # two calls, then one
-    out = tmp_path / "quality.json"
-    r = subprocess.run([sys.executable, str(BENCH / "quality_results.py"), str(run), "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    got = json.loads(out.read_text())
-    report = json.loads((run / "eval_mtbench.json").read_text())
-    assert set(got["eval"]["mt-bench"]) == {"K=2", "K=3"}
-    k2 = got["eval"]["mt-bench"]["K=2"]
-    assert k2["tau"] == report["by_draft_tokens"]["2"]["tau"] and k2["num_prompts"] == 1
-    assert k2["lossless"] is True and len(got["eval"]["mt-bench"]["K=3"]["acceptance_per_position"]) == 3
-    manifest = json.loads((made.draft / "manifest.json").read_text())
-    assert got["train"]["runs"][0]["val_tau"] == manifest["outputs"]["val"]["tau"]
-    regenerated = json.loads((made.regenerated / "manifest.json").read_text())
-    assert got["regenerate"]["new_tokens"] == regenerated["outputs"]["new_tokens"]
-    assert got["minutes_per_stage"] == {"regenerate": 2.0, "train": 1.0} and got["complete"] is False
-    assert "mt-bench K=2: tau" in r.stdout
+    env = {**os.environ, "UNTIL": until, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / "q"),
+           "BUDGET": str(budget), "SET": sets, "PYTHON": sys.executable}  # fmt: skip
+    out.mkdir(exist_ok=True)
+    return subprocess.run(["bash", str(BENCH / "gpu" / "quality.sh"), "run"], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=BENCH.parent)  # fmt: skip
+
+
+def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
+    """The GPU suite's logic end to end at toy scale: quality.sh wraps `eyas run configs/smollm2-gpu.toml` (every
+    stage of the recipe: self-written prompts, regenerate, prepare, vocab, online training, export, both evals),
+    with the carried prompt files standing in for the named sets. A call cut by its time limit exits 0 and says
+    to call again; the next call finishes the run; one more skips every stage and gathers the same results."""
+    import gzip
+
+    from eyas.data.named_sets import named_set_path
+
+    data = tmp_path / "g"
+    data.mkdir()
+    with gzip.open(data / "sharegpt_prompts.jsonl.gz", "wt") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"s{i}", "turns": [f"Question {i}: what is {i} plus {i}?", "Why?"]}) + "\n")
+    (data / "mt_bench.jsonl").write_bytes(named_set_path("mt-bench").read_bytes())
+    (data / "humaneval.jsonl.gz").write_bytes(named_set_path("humaneval").read_bytes())
+    sets = ("prompts.num_prompts=2,prompts.max_new_tokens=12,prompts.max_attempts=100,prompts.min_words=1,"
+            "prompts.batch_tokens=2048,"
+            "regenerate.max_new_tokens=8,regenerate.max_seq_len=256,regenerate.batch_tokens=1024,"
+            "prepare.max_seq_len=256,prepare.num_proc=1,vocab.draft_vocab_size=128,train.max_steps=2,"
+            "train.max_seq_len=256,train.batch_tokens=512,train.num_workers=0,train.val_ratio=0.2,"
+            "eval.0.num_prompts=1,eval.0.max_new_tokens=4,eval.1.num_prompts=1,eval.1.max_new_tokens=4")
+    verifier = make_tiny("llama").path
+    cut = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 2, sets)
+    assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
+    part = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, until="train")
+    assert part.returncode == 0 and "stages up to train done" in part.stdout, part.stdout + part.stderr
+    assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
+    done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets)
+    assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
+    got = json.loads((tmp_path / "out2" / "smollm2-quality.json").read_text())
+    assert set(got["eval"]) == {"mt-bench", "humaneval"} and got["complete"] is True
+    assert got["eval"]["mt-bench"]["K=3"]["num_prompts"] == 1 and got["eval"]["humaneval"]["K=3"]["lossless"]
+    assert got["prompts"]["prompts"] == 2 and got["regenerate"]["prompts"] == 4 + 2  # ShareGPT's and its own
+    assert got["train"]["runs"][0]["steps"] == 2
+    assert {"prompts", "regenerate", "prepare", "vocab", "train", "eval mt-bench", "eval humaneval"} <= set(
+        got["minutes_per_stage"])  # fmt: skip
+    again = _quality_sh(tmp_path, verifier, data, tmp_path / "out3", 900, sets)
+    assert again.returncode == 0, again.stdout + again.stderr
+    log = (tmp_path / "q" / "run.log").read_text()
+    assert "regenerate: " in log and "is up to date" in log and "already measures this draft" in log
+    assert json.loads((tmp_path / "out3" / "smollm2-quality.json").read_text())["eval"] == got["eval"]
 
 
 def test_eval_speedup_smoke(tmp_path):

@@ -516,6 +516,19 @@ def test_offline_prediction_from_features(setups, tmp_path):
     assert off["conditional_accuracy"] == pytest.approx([r / n for r, n in zip(right, reached)])
     assert off["predicted_tau"] == pytest.approx(implied_tau(off["conditional_accuracy"]))
     assert off["predicted_tau"] > 1.5
+    # the walk over the same turns is exact: real decoding of these prompts makes the same rounds
+    spec, dr = _verifier(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    accepted, produced = [], []
+    for ids in prompts:
+        out = speculative_generate(spec, dr, ids, max_new_tokens=40, draft_tokens=K, eos_ids=eos)
+        accepted += out.accepted
+        produced += out.produced
+    real = acceptance_stats(accepted, K, produced=produced)
+    walk = offline_accuracy(draft, info, feats, ttt_steps=K, max_new_tokens=40)["walk"]
+    assert walk["rounds"] == real["rounds"] and walk["tau"] == pytest.approx(real["tau"])
+    assert walk["acceptance_per_position"] == pytest.approx(real["acceptance_per_position"])
+    # at a smaller max_new_tokens the walk stops where eval would: fewer rounds
+    assert offline_accuracy(draft, info, feats, ttt_steps=K, max_new_tokens=8)["walk"]["rounds"] < real["rounds"]
     report = ev.evaluate(verifier=str(t.path), draft="random", prompts=[PROMPTS[0]], max_new_tokens=8,
                          offline=str(feats))  # fmt: skip
     assert report["offline"]["rows"] == len(rows) and "predicted_tau" in report

@@ -127,6 +127,21 @@ def test_sampling_follows_the_distribution_and_ignores_the_batch():
     assert int(moved[0]) == int(toks[17]) and int(moved[2]) == int(toks[18])
 
 
+def test_top_p_samples_only_the_nucleus_in_proportion():
+    """Nucleus sampling: only the smallest set of most likely tokens whose probability reaches top_p is ever
+    drawn (the token that crosses it included), in proportion to their probabilities; top_p 1 is plain sampling."""
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.02, 0.3, 0.13]))
+    n = 4000
+    seeds, pos = torch.arange(n), torch.full((n,), 3)
+    toks = pick_tokens(logits.expand(n, -1), temperature=1.0, seed=seeds, position=pos, top_p=0.75)
+    counts = torch.bincount(toks, minlength=5)
+    assert set(toks.tolist()) == {1, 3}  # 0.5, then 0.3 crosses 0.75; 0.13 and below never
+    assert abs(counts[1] / n - 0.5 / 0.8) < 0.03
+    plain = pick_tokens(logits.expand(n, -1), temperature=1.0, seed=seeds, position=pos)
+    assert torch.equal(plain, pick_tokens(logits.expand(n, -1), temperature=1.0, seed=seeds, position=pos, top_p=1.0))
+    assert len(set(plain.tolist())) == 5
+
+
 _PEAK = r"""
 import json, sys, torch
 sys.path.insert(0, {tests!r})

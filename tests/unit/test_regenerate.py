@@ -256,3 +256,42 @@ def test_base_verifier_answers_through_a_chat_template_file(make_tiny, source, t
     assert m["inputs"]["chat_template_sha256"] == hashlib.sha256(COMPLETION.read_bytes()).hexdigest()
     assert m["chat_template"] == str(COMPLETION) and m["outputs"]["conversations"] > 0
 
+
+
+def test_loop_policy_keeps_trims_or_drops_an_answer_cut_in_a_loop(smollm2_path):
+    """An answer cut at the limit that ends repeating one line: kept whole, trimmed to the text before the loop
+    and one copy of it, or dropped; each counted. An answer with no loop is left as it is."""
+    from eyas.stages.regenerate import _COUNTS, LoopPolicy
+    from eyas.engine.remote import Answer
+
+    tok = load_tokenizer(resolve(str(smollm2_path)))
+    intro = "Here are some tips for staying healthy during the winter months."
+    looped = Answer(intro + "\n- Drink plenty of water every day." * 12, False, 512)
+    plain = Answer("The capital of France is Paris, a city on the Seine known for its museums.", False, 512)
+    for mode in ("keep", "trim", "drop"):
+        counts = dict.fromkeys(_COUNTS, 0)
+        policy = LoopPolicy(mode, tok)
+        assert policy(plain, counts) is plain and counts["loops"] == 0
+        got = policy(looped, counts)
+        assert counts["loops"] == 1 and counts["loop_tokens"] > 50
+        if mode == "keep":
+            assert got is looped
+        elif mode == "trim":
+            assert got.text.startswith(intro) and got.text.count("Drink plenty of water") == 1
+            assert 40 < counts["trimmed_tokens"] < counts["loop_tokens"]
+        else:
+            assert got is None and counts["dropped_answers"] == 1
+
+
+def test_repetition_penalty_changes_answers_and_is_recorded(make_tiny, source, tmp_path):
+    """`--repetition-penalty` in the local engine: recorded in the manifest; the answers differ from unpenalised
+    greedy ones (the tiny verifier repeats tokens), and a server is refused it."""
+    t = make_tiny("llama")
+    kw = dict(verifier=str(t.path), data=str(source), max_new_tokens=NEW, batch_tokens=2048)
+    plain = regenerate(**kw, out=str(tmp_path / "a"))
+    pen = regenerate(**kw, out=str(tmp_path / "b"), repetition_penalty=1.5, loops="trim")
+    assert pen["settings"]["repetition_penalty"] == 1.5 and pen["settings"]["loops"] == "trim"
+    assert _read(tmp_path / "a") != _read(tmp_path / "b")
+    assert plain["outputs"]["loops"] >= 0 and "dropped_answers" in pen["outputs"]
+    with pytest.raises(EyasError, match="--repetition-penalty"):
+        regenerate(**kw, out=str(tmp_path / "c"), repetition_penalty=1.2, server="http://127.0.0.1:1/v1")

@@ -248,6 +248,9 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     assert result["val"]["acc"][0] >= 0 and len(_records(out, "val")) == 4
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["stage"] == "train" and manifest["outputs"]["val"]["tau"] >= 1.0
+    covers = manifest["outputs"]["val"]["covers"]  # which rows and lengths the validation tau averages over
+    assert covers["rows"] == len(manifest["outputs"]["val_rows"]) > 0 and covers["row_tokens_max"] > 0
+    assert covers["scored_positions"] > 0 and "held-out rows" in covers["what"]
     assert manifest["outputs"]["accuracy"] == "draft argmax == verifier full-vocab argmax"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())

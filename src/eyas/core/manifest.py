@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -582,3 +583,60 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError
+
+
+class Journal:
+    """An append-only file of finished work items, one JSON line each (each with its index ``"i"``): a stage's
+    record of what it finished, so a run killed at any moment resumes with nothing lost or done twice.
+
+    A line is written and flushed as soon as its item is done, and the file is fsynced every few seconds, so a
+    killed run loses at most the item in flight; a line cut by the kill is removed when the file is opened
+    again. One writer per file (each rank has its own).
+    """
+
+    def __init__(self, path: Path, *, fsync_every: float = 5.0) -> None:
+        self.path, self.fsync_every = path, fsync_every
+        self._f = None
+        self._synced = time.monotonic()
+
+    def __enter__(self) -> "Journal":
+        if self.path.is_file():  # drop a last line a kill cut short
+            data = self.path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                with open(self.path, "r+b") as f:
+                    f.truncate(end)
+        self._f = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self._f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._f.flush()
+        if time.monotonic() - self._synced > self.fsync_every:
+            os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def read_journal(path: Path) -> dict[int, dict[str, Any]]:
+    """The entries of a :class:`Journal` file by index (the first of each), {} when there is none; a last line
+    cut by a kill is ignored, a damaged line elsewhere is an error naming it."""
+    out: dict[int, dict[str, Any]] = {}
+    if not path.is_file():
+        return out
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line, without its newline: cut by a kill
+                continue
+            raise EyasError(f"{path} line {n} is damaged; remove {path.parent} and run again") from None
+        out.setdefault(int(entry["i"]), entry)
+    return out

@@ -65,7 +65,7 @@ RANGES: dict[str, Range] = {
     "num_workers": AT_LEAST_0, "num_proc": AT_LEAST_1,
     "lr": ABOVE_0, "warmup_steps": AT_LEAST_0, "weight_decay": AT_LEAST_0, "clip": AT_LEAST_0,
     "step_loss_decay": AT_LEAST_0, "val_ratio": Range(0, 1, high_open=True), "temperature": AT_LEAST_0,
-    "seed": AT_LEAST_0,
+    "seed": AT_LEAST_0, "min_words": AT_LEAST_0, "max_attempts": AT_LEAST_1, "repetition_penalty": ABOVE_0,
 }  # fmt: skip
 
 #: The largest whole number an argument takes: what numpy's and torch's int64 sizes hold with room to multiply.

@@ -50,6 +50,8 @@ PREPARED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "row_id")
 
 #: An `eyas regenerate` output's conversations, one JSON object a line (OpenAI layout), read by `eyas prepare`.
 CONVERSATIONS = "conversations.jsonl"
+#: the prompts `eyas prompts` writes (one ``{"id", "turns"}`` a line), read by `eyas regenerate`
+PROMPTS = "prompts.jsonl"
 
 
 # --------------------------------------------------------------------------- the source and its report
@@ -149,8 +151,19 @@ class SourceReport:
         return out
 
 
-def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet | None]:
-    """``data`` -> (description, files in reading order, the named set or None)."""
+def resolve_source(data: str | os.PathLike | list) -> tuple[str, list[Path], NamedSet | None]:
+    """``data`` -> (description, files in reading order, the named set or None). A list, or names and paths
+    separated by commas, is a mix: every source's files in turn (``sharegpt,runs/x/prompts``)."""
+    parts = list(data) if isinstance(data, (list, tuple)) else None
+    if parts is None and "," in str(data) and not Path(str(data)).exists():
+        parts = [x.strip() for x in str(data).split(",") if x.strip()]
+    if parts is not None:
+        if len(parts) == 1:
+            return resolve_source(parts[0])
+        if not parts:
+            raise EyasError("data: an empty list of sources")
+        resolved = [resolve_source(x) for x in parts]
+        return " + ".join(d for d, _, _ in resolved), [f for _, fs, _ in resolved for f in fs], None
     s = str(data)
     if s in NAMED_SETS and not Path(s).exists():
         ns = NAMED_SETS[s]
@@ -163,6 +176,8 @@ def resolve_source(data: str | os.PathLike) -> tuple[str, list[Path], NamedSet |
     if p.is_dir():
         if (p / CONVERSATIONS).is_file() and _stage(p) == "regenerate":  # an `eyas regenerate` output: its data
             return f"{p} (eyas regenerate)", [p / CONVERSATIONS], None
+        if (p / PROMPTS).is_file() and _stage(p) == "prompts":  # an `eyas prompts` output: the prompts
+            return f"{p} (eyas prompts)", [p / PROMPTS], None
         if (p / ".parts").is_dir() and not (p / MANIFEST).is_file():  # work in parts, no manifest yet
             raise EyasError(f"{p} is an unfinished `eyas regenerate` output (or another stage's); run the same "
                             "command again to finish it")  # fmt: skip

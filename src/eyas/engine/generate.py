@@ -260,14 +260,21 @@ def _uniform(seed: torch.Tensor, position: torch.Tensor, n: int) -> torch.Tensor
 
 
 def pick_tokens(logits: torch.Tensor, *, temperature: float, seed: torch.Tensor | None = None,
-                position: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                position: torch.Tensor | None = None, top_p: float = 1.0) -> torch.Tensor:  # fmt: skip
     """The next token of each row of ``logits [S, V]``: argmax at ``T = 0``; otherwise a sample of
     ``softmax(logits / T)`` by the Gumbel-max trick (argmax of ``logits / T - log(-log(u))``), ``u`` from
-    :func:`_uniform` of each row's seed and position."""
+    :func:`_uniform` of each row's seed and position; with ``top_p < 1`` only from the smallest set of tokens
+    whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019)."""
     if temperature == 0:
         return logits.argmax(-1)
+    scaled = logits.float() / temperature  # [S, V]
+    if top_p < 1.0:
+        sorted_, order = scaled.sort(-1, descending=True)
+        before = sorted_.softmax(-1).cumsum(-1) - sorted_.softmax(-1)  # probability of the tokens ranked above
+        cut = torch.full_like(sorted_, float("-inf")).where(before >= top_p, torch.zeros_like(sorted_))
+        scaled = scaled + torch.empty_like(cut).scatter(-1, order, cut)  # [S, V]: -inf outside the nucleus
     u = _uniform(seed, position, logits.shape[-1])
-    return (logits.float() / temperature - torch.log(-torch.log(u)).float()).argmax(-1)
+    return (scaled - torch.log(-torch.log(u)).float()).argmax(-1)
 
 
 class BatchDecoder:
@@ -286,7 +293,8 @@ class BatchDecoder:
 
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
-                 cuda_graphs: bool = True, compile: bool = True, attention: str = "auto") -> None:  # fmt: skip
+                 cuda_graphs: bool = True, compile: bool = True, attention: str = "auto", top_p: float = 1.0,
+                 repetition_penalty: float = 1.0) -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -294,6 +302,7 @@ class BatchDecoder:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.eos_ids, self.temperature, self.pad_id = set(eos_ids), temperature, pad_id
+        self.top_p, self.repetition_penalty = top_p, repetition_penalty
         self.max_len = max_len
         self.num_slots = batch_tokens // max_len
         self.prefill_tokens = max(prefill_tokens or 4 * max_len, max_len)
@@ -305,6 +314,9 @@ class BatchDecoder:
         self.pos = torch.zeros(S, 1, dtype=torch.long, device=dev)  # its position
         self.seed = torch.zeros(S, dtype=torch.long, device=dev)
         self.slots.start = self.pos[:, 0]  # a view: the rows' positions as the step graphs read them
+        # tokens each row has written so far, for the repetition penalty (allocated only when one is asked for)
+        self.seen = torch.zeros(S, model.config.vocab_size, dtype=torch.bool, device=dev) \
+            if repetition_penalty != 1.0 else None  # fmt: skip
         self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None)
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0}
 
@@ -319,7 +331,19 @@ class BatchDecoder:
         """One decoding step of every row (idempotent: the state moves outside): the next token ``[S]``."""
         self.slots.begin()
         logits = self.model(input_ids=self.tok, position_ids=self.pos, use_cache=False).logits[:, -1]  # [S, V]
-        return pick_tokens(logits, temperature=self.temperature, seed=self.seed, position=self.pos[:, 0] + 1)
+        logits = self._penalize(logits, self.seen, self.tok[:, 0])
+        return pick_tokens(logits, temperature=self.temperature, seed=self.seed, position=self.pos[:, 0] + 1,
+                           top_p=self.top_p)  # fmt: skip
+
+    def _penalize(self, logits: torch.Tensor, seen: torch.Tensor | None, fed: torch.Tensor) -> torch.Tensor:
+        """The repetition penalty of CTRL (Keskar et al. 2019, as transformers applies it): the logit of every
+        token the answer already holds is divided by the penalty when positive, multiplied when negative.
+        ``fed [rows]`` (the token just fed) joins ``seen [rows, V]`` first."""
+        if seen is None:
+            return logits
+        seen.scatter_(1, fed[:, None], True)
+        p = self.repetition_penalty
+        return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
 
     def _prefill(self, batch: list[tuple[int, Request]]) -> list[int]:
         """Prompts into their slots (right-padded to one length, packed into one row) -> each one's first new
@@ -342,7 +366,9 @@ class BatchDecoder:
             slots.layout, slots.targets = "rows", None
         lengths = torch.tensor([len(r.tokens) for _, r in batch], device=self.device)
         seeds = torch.tensor([r.seed for _, r in batch], device=self.device)
-        first = pick_tokens(logits, temperature=self.temperature, seed=seeds, position=lengths)
+        if self.seen is not None:  # a new answer: only its own tokens are penalised (the prompt's are not)
+            self.seen[targets] = False
+        first = pick_tokens(logits, temperature=self.temperature, seed=seeds, position=lengths, top_p=self.top_p)
         self.tok[targets, 0] = first
         self.pos[targets, 0] = lengths
         self.seed[targets] = seeds

@@ -39,10 +39,46 @@ def ttt_chain_lengths(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
     return length
 
 
+def walk_rounds(length: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """The rounds real decoding of each assistant turn of a row would make: ``(accepted, produced)`` per round.
+
+    ``length [T']`` from :func:`ttt_chain_lengths` (the draft tokens a round accepts when its last emitted token
+    sits at ``t + 1``), ``mask [T]`` the loss mask (an assistant turn: a run of masked tokens, its end-of-turn
+    token last). As :func:`eyas.engine.speculative.speculative_generate` decodes: the prefill emits a turn's first
+    token ``a``; a round from last emitted token ``m`` accepts ``L = length[m - 1]`` drafts and emits ``L + 1``
+    tokens, fewer where the turn ends or ``max_new_tokens`` is reached; the next round starts at
+    ``m + L + 1``. Pooled per-position accuracy (:func:`eyas.training.loss.implied_tau`) instead counts every index as a
+    round start, so the easy stretches a real round jumps over (a repetition loop, a long quote) weigh as much as
+    the hard tokens where rounds start; it also counts positions past ``max_new_tokens``, which eval never
+    decodes."""
+    m_ = mask.bool().tolist()
+    accepted, produced = [], []
+    t = 0
+    while t < len(m_):
+        if not m_[t]:
+            t += 1
+            continue
+        a = t
+        while t < len(m_) and m_[t]:
+            t += 1
+        e = t  # the turn is [a, e): its end-of-turn token at e - 1
+        m = a
+        while True:
+            left = min(e - 1 - m, max_new_tokens - (m - a + 1))  # tokens this turn may still emit
+            if left <= 0 or m - 1 >= len(length):
+                break
+            L = int(length[m - 1]) if m >= 1 else 0
+            kept = min(L + 1, left)
+            accepted.append(min(L, kept))
+            produced.append(kept)
+            m += kept
+    return accepted, produced
+
+
 @torch.no_grad()
 def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, ttt_steps: int, rows: list[int] | None = None,
-                     max_rows: int = 256, device: str | torch.device = "cpu",
-                     chunk: int = 256) -> dict[str, Any]:  # fmt: skip
+                     max_rows: int = 256, device: str | torch.device = "cpu", chunk: int = 256,
+                     max_new_tokens: int = 256) -> dict[str, Any]:  # fmt: skip
     """Per-step conditional accuracy of the draft over extracted features, and the tau it predicts.
 
     Per row, :func:`ttt_chain_lengths` against the verifier's full-vocab argmax
@@ -50,8 +86,12 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, ttt_step
     and head). Step ``k`` at index ``t`` counts where the token it predicts,
     ``x_{t+2+k}``, is loss-masked. ``conditional_accuracy[k]`` = P(step ``k``
     right | steps ``< k`` right); ``predicted_tau = 1 + sum_k prod_{j<=k}
-    conditional_accuracy[j]``.
+    conditional_accuracy[j]``. Beside it, ``walk`` (:func:`walk_rounds`): the rounds real decoding of the same
+    turns would make, up to ``max_new_tokens`` a turn, and the tau, acceptance per position they give: the
+    exact prediction of `eyas eval` on these conversations when they are the verifier's own greedy answers.
     """
+    from eyas.engine.speculative import acceptance_stats
+
     from eyas.data.features import FeatureReader
     from eyas.training.loss import TargetHead
     from eyas.verifier.load import load_head_tensors
@@ -67,6 +107,8 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, ttt_step
                                    device=device)  # fmt: skip
     reached = torch.zeros(ttt_steps, dtype=torch.long)  # per step: counted positions whose earlier steps were right
     right = torch.zeros(ttt_steps, dtype=torch.long)
+    walk_accepted: list[int] = []
+    walk_produced: list[int] = []
     for i in rows:
         row = reader[i]
         T = row.input_ids.shape[0]
@@ -74,17 +116,30 @@ def offline_accuracy(draft: Eagle3Draft, info, features: str | Path, *, ttt_step
             continue
         last = row.last_hidden_state.to(device)
         greedy = torch.cat([head(last[s : s + chunk], pad=0).argmax for s in range(0, T, chunk)])  # [T]
-        length = ttt_chain_lengths(draft, row.input_ids.to(device), row.aux_hidden_states.to(device), greedy,
-                                   ttt_steps=ttt_steps).cpu()  # fmt: skip
+        # padded by K + 1 positions so that a chain is known at every index: a round near the row's end reads
+        # no padding within the tokens it may still emit (its steps are causal), and the walk caps it there
+        pad = ttt_steps + 1
+        ids = torch.cat([row.input_ids, row.input_ids.new_zeros(pad)]).to(device)
+        aux = torch.cat([row.aux_hidden_states, row.aux_hidden_states.new_zeros(pad, row.aux_hidden_states.shape[1])])
+        whole = ttt_chain_lengths(draft, ids, aux.to(device), torch.cat([greedy, greedy.new_full((pad,), -1)]),
+                                  ttt_steps=ttt_steps).cpu()  # fmt: skip  # [T]
+        length = whole[: T - ttt_steps - 1]
         mask = row.loss_mask.bool()
+        acc_, prod_ = walk_rounds(whole, mask, max_new_tokens=max_new_tokens)
+        walk_accepted += acc_
+        walk_produced += prod_
         t = torch.arange(length.shape[0])
         for k in range(ttt_steps):
             valid = mask[t + 2 + k]
             reached[k] += int((valid & (length >= k)).sum())
             right[k] += int((valid & (length > k)).sum())
     cond = [float(right[k]) / float(reached[k]) if reached[k] else 0.0 for k in range(ttt_steps)]
+    walk = acceptance_stats(walk_accepted, ttt_steps, produced=walk_produced)
     return {"features": str(features), "rows": len(rows), "row_ids": rows, "positions": int(reached[0]),
-            "conditional_accuracy": cond, "predicted_tau": implied_tau(cond)}  # fmt: skip
+            "conditional_accuracy": cond, "predicted_tau": implied_tau(cond),
+            "walk": {"max_new_tokens": max_new_tokens, **{k: walk[k] for k in ("tau", "rounds",
+                     "acceptance_per_position", "conditional_acceptance_per_position")}},
+            "predicted_tau_walk": walk["tau"]}  # fmt: skip
 
 
 def pick_offline_rows(rows: list[int] | None, *, num_rows: int, max_rows: int) -> list[int]:

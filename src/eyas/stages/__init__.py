@@ -1,4 +1,4 @@
-"""One module per stage, each a typed config plus ``run(config)``: ``inspect``, ``plan``, ``regenerate``,
+"""One module per stage, each a typed config plus ``run(config)``: ``inspect``, ``plan``, ``prompts``, ``regenerate``,
 ``prepare``, ``vocab``, ``extract``, ``train``, ``evaluate`` (``eyas eval``), ``export``. Stages meet only through
 files on disk: no stage imports another.
 
@@ -33,6 +33,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("plan", "eyas.stages.plan:PlanConfig",
           "from a verifier's config alone: its memory packed and in bf16, GPUs, feature bytes, offline or online, "
           "GPU-hours"),
+    Stage("prompts", "eyas.stages.prompts:PromptsConfig",
+          "have the verifier write user prompts itself (Magpie), filtered and deduplicated, for regenerate "
+          "(resumable)", pipeline=True),
     Stage("regenerate", "eyas.stages.regenerate:RegenerateConfig",
           "answer a dataset's prompts with the verifier itself, for prepare (resumable)", pipeline=True),
     Stage("prepare", "eyas.stages.prepare:PrepareConfig",

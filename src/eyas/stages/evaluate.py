@@ -10,6 +10,8 @@ tau the draft's TTT accuracy predicts stands beside the measured one (:mod:`eyas
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -130,7 +132,7 @@ class EvalConfig(StageConfig):
 
 def run(c: EvalConfig) -> dict[str, Any]:
     """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
-    from eyas.core.manifest import check_report_out, report_paths, versions, write_json
+    from eyas.core.manifest import check_report_out, report_paths, sha256_json, versions, write_json
     from eyas.data.chat import chat_template_hash
 
     verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
@@ -153,6 +155,14 @@ def run(c: EvalConfig) -> dict[str, Any]:
         feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
                                                              max_rows=offline_rows)))  # fmt: skip
     plist, source = as_prompts(prompts, num_prompts=num_prompts, seed=seed)
+    # what this report measures: every setting but --out, the draft's manifest, the prompts themselves; an
+    # existing report of the same is kept (a rerun of `eyas run` after a time limit skips finished evals)
+    measured = sha256_json({"settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "out"},
+                            "draft": draft_manifest(draft) if str(draft) != "random" else "random",
+                            "prompts": [dataclasses.asdict(p) for p in plist]})  # fmt: skip
+    if out and (old := _existing_report(out, measured)) is not None:
+        print(f"eval: {report_paths(out)[0]} already measures this draft on these prompts; skipping")
+        return old
     env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
                 trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
@@ -186,6 +196,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "end_of_turn_ids": sorted(env["eos_ids"]),
         "seed": seed,
         "versions": versions(),
+        "measured_sha256": measured,
     }
     if len(Ks) > 1:
         report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
@@ -196,9 +207,10 @@ def run(c: EvalConfig) -> dict[str, Any]:
     if offline:
         rows, kind, why = offline_rows_from
         report["offline"] = offline_accuracy(d, env["info"], offline, ttt_steps=K, rows=rows, max_rows=offline_rows,
-                                             device=dev)  # fmt: skip
+                                             device=dev, max_new_tokens=max_new_tokens)  # fmt: skip
         report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
+        report["predicted_tau_walk"] = report["offline"]["predicted_tau_walk"]
     if out:
         json_path, png_path = report_paths(out)
         check_report_out(out)  # again: a file may have appeared there while eval ran
@@ -216,6 +228,18 @@ evaluate = stage_function(EvalConfig, run, "evaluate")
 
 
 # --------------------------------------------------------------------------- the report
+
+
+def _existing_report(out: str | Path, measured: str) -> dict[str, Any] | None:
+    """The report at ``out`` when it measured exactly ``measured`` (see :func:`run`), else None."""
+    from eyas.core.manifest import report_paths
+
+    path = report_paths(out)[0]
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) and report.get("measured_sha256") == measured else None
 
 
 def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> None:
@@ -248,7 +272,9 @@ def _print_report(r: dict[str, Any]) -> None:
         ("tau (tokens per verifier forward)", f"{r['tau']:.3f}  over {r['rounds']} rounds"),
     ]  # fmt: skip
     if "predicted_tau" in r:
-        rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f}  (measured {r['tau']:.3f})"))
+        rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f} pooled over positions, "
+                                              f"{r['predicted_tau_walk']:.3f} walking the turns as decoding does  "
+                                              f"(measured {r['tau']:.3f})"))
         off = r["offline"]
         rows.append(("offline rows", f"{off['rows']} rows of {off['features']}: {off['rows_note']}"))
     rows += [

@@ -24,7 +24,6 @@ nothing lost or done twice; the conversations file appears, whole and in the pro
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -32,13 +31,13 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from eyas.core import dist
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import CONVERSATIONS
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, atomic_path, check_out, sha256_json
+from eyas.core.manifest import Journal, StageOutput, atomic_path, check_out, read_journal, sha256_json
 from eyas.engine.remote import Answer, Server, without_credentials
 
 __all__ = ["CONVERSATIONS", "regenerate"]
@@ -61,8 +60,9 @@ class RegenerateConfig(StageConfig):
 
     verifier: str = option(help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through "
                                 "its own chat template.")
-    data: str = option(help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), or a named "
-                            "set: sharegpt, mt-bench, humaneval.")
+    data: str = option(help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
+                            "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
+                            "comma-separated: sharegpt,runs/x/prompts.")
     out: str = option(help="the output directory.")
     max_new_tokens: int = option(1024, help="the most tokens one answer may have; an answer cut there ends its "
                                             "conversation.")
@@ -73,6 +73,15 @@ class RegenerateConfig(StageConfig):
     max_turns: int | None = option(None, help="answer at most this many user turns of each prompt (default: all).")
     temperature: float = option(0.0, help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
                                           "rerun writes the same answers whatever else shares the batch).")
+    loops: Literal["keep", "trim", "drop"] = option(
+        "trim", help="what to do with an answer cut at --max-new-tokens that ends in a repetition loop: keep it, trim "
+        "it to the text before the loop and its first copy, or drop the answer (and the conversation's later "
+        "turns). The manifest counts loops either way. Trim by default: greedy SmolLM2's loop tails were 49% of its "
+        "new tokens, and trimmed they stop flattering validation tau (1.68 against 1.52 decoded, where untrimmed "
+        "data gave 2.37 against 1.86; docs/BENCHMARKS.md).")
+    repetition_penalty: float = option(1.0, help="CTRL's repetition penalty on the verifier's answers here (1: none; "
+                                                 "1.1-1.3 breaks most loops, but the draft then learns answers the "
+                                                 "verifier does not write unpenalised; local verifier only).")
     seed: int = option(0, help="the seed of the sample and of the sampling.")
     batch_tokens: int | None = option(None, help="the decoding budget in tokens of key/value cache (sequences decoded "
                                                  "together = this // --max-seq-len); it fixes the memory whatever the "
@@ -114,6 +123,9 @@ class RegenerateConfig(StageConfig):
                             f"{self.max_seq_len}; give at least {self.max_seq_len}")  # fmt: skip
         if self.device_map is not None and self.server:
             raise EyasError("--device-map loads the verifier here; with --server nothing is loaded: give one of them")
+        if self.repetition_penalty != 1.0 and self.server:
+            raise EyasError("--repetition-penalty applies to the verifier loaded here; with --server set the "
+                            "server's own sampling instead")  # fmt: skip
 
 
 def run(c: RegenerateConfig) -> dict[str, Any]:
@@ -141,7 +153,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
               "data": {"source": str(data), "sha256": source_sha256(files)}}  # fmt: skip
     settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
-                "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict}  # fmt: skip
+                "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict,
+                "loops": c.loops, "repetition_penalty": c.repetition_penalty}  # fmt: skip
     if server:  # where the answers come from (a URL's user:password part is never recorded)
         settings["server"] = {"url": without_credentials(server), "model": server_model}
     else:  # precision moves greedy answers by a token now and then
@@ -183,12 +196,14 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                 backend = _backend(server=server, server_model=server_model, api_key_env=api_key_env,
                                    concurrency=concurrency, server_timeout=server_timeout, info=info, tok=tok, device=dev, device_map=device_map,
                                    dtype=dt, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
-                                   batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d)  # fmt: skip
+                                   batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d,
+                                   repetition_penalty=c.repetition_penalty)  # fmt: skip
                 mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
                 desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
                 with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
                     new_tokens = _converse(prompts, todo, backend, max_turns=max_turns, journal=journal,
-                                           done=mine - len(todo), total=mine, desc=desc, show=d.is_main)  # fmt: skip
+                                           done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
+                                           loops=LoopPolicy(c.loops, tok))  # fmt: skip
             seconds = max(d.all_gather(time.perf_counter() - started))
             new_tokens = sum(d.all_gather(new_tokens))
             resumed = len(finished)
@@ -230,64 +245,46 @@ regenerate = stage_function(RegenerateConfig, run, "regenerate")
 
 
 #: What the manifest counts (``outputs``), summed over the conversations.
-_COUNTS = ("conversations", "answers", "new_tokens", "cut_at_max_new_tokens", "empty_answers", "prompt_too_long")
+_COUNTS = ("conversations", "answers", "new_tokens", "cut_at_max_new_tokens", "empty_answers", "prompt_too_long",
+           "loops", "loop_tokens", "trimmed_tokens", "dropped_answers")
+
+
+class LoopPolicy:
+    """``--loops``: finds a repetition loop at the end of an answer cut at ``--max-new-tokens`` (an answer the
+    verifier ended itself is left alone) and keeps, trims or drops it, counting what it did in ``counts``."""
+
+    def __init__(self, mode: str, tok) -> None:
+        self.mode, self.tok = mode, tok
+
+    def __call__(self, a: Answer, counts: dict[str, int]) -> Answer | None:
+        from eyas.data.repetition import find_loop
+
+        ids = self.tok(a.text, add_special_tokens=False)["input_ids"]
+        loop = find_loop(ids)
+        if loop is None:
+            return a
+        counts["loops"] += 1
+        counts["loop_tokens"] += len(ids) - loop.start
+        if self.mode == "drop":
+            counts["dropped_answers"] += 1
+            return None
+        if self.mode == "trim":
+            keep = loop.trimmed_length()
+            counts["trimmed_tokens"] += len(ids) - keep
+            text = self.tok.decode(ids[:keep], skip_special_tokens=True).strip()
+            return Answer(text, a.finished, a.tokens, a.reasoning) if text else None
+        return a
 
 
 # --------------------------------------------------------------------------- the journal
 
 
-class Journal:
-    """An append-only file of finished conversations, one JSON line each (``{"i", "record", "counts"}``).
-
-    A line is written and flushed as soon as its conversation is done, and the file is fsynced every few
-    seconds, so a killed run loses at most the conversation in flight; a line cut by the kill is removed when
-    the file is opened again. One writer per file (each rank has its own).
-    """
-
-    def __init__(self, path: Path, *, fsync_every: float = 5.0) -> None:
-        self.path, self.fsync_every = path, fsync_every
-        self._f = None
-        self._synced = time.monotonic()
-
-    def __enter__(self) -> "Journal":
-        if self.path.is_file():  # drop a last line a kill cut short
-            data = self.path.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                with open(self.path, "r+b") as f:
-                    f.truncate(end)
-        self._f = open(self.path, "a", encoding="utf-8")
-        return self
-
-    def append(self, i: int, record: dict[str, Any] | None, counts: dict[str, int]) -> None:
-        self._f.write(json.dumps({"i": i, "record": record, "counts": counts}, ensure_ascii=False) + "\n")
-        self._f.flush()
-        if time.monotonic() - self._synced > self.fsync_every:
-            os.fsync(self._f.fileno())
-            self._synced = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-
-
 def read_journals(parts: Path) -> dict[int, dict[str, Any]]:
-    """Every finished conversation the journals in ``parts`` hold, by prompt index (a last line cut by a kill
-    is ignored; a damaged line elsewhere is an error naming it)."""
+    """Every finished conversation the journals in ``parts`` hold (one per rank), by prompt index."""
     out: dict[int, dict[str, Any]] = {}
     for path in sorted(parts.glob("journal-rank*.jsonl")) if parts.is_dir() else ():
-        lines = path.read_text(encoding="utf-8").split("\n")
-        for n, line in enumerate(lines, 1):
-            if not line:
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                if n == len(lines):  # the last line, without its newline: cut by a kill
-                    continue
-                raise EyasError(f"{path} line {n} is damaged; remove {parts} and run again") from None
-            out.setdefault(int(entry["i"]), entry)
+        for i, entry in read_journal(path).items():
+            out.setdefault(i, entry)
     return out
 
 
@@ -295,10 +292,10 @@ def read_journals(parts: Path) -> dict[int, dict[str, Any]]:
 
 
 def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journal: Journal, done: int, total: int,
-              desc: str, show: bool) -> int:  # fmt: skip
+              desc: str, show: bool, loops: LoopPolicy | None = None) -> int:  # fmt: skip
     """Every prompt of ``todo`` answered turn by turn, all conversations in flight at once: each next turn is
-    submitted as soon as the answer before it is back. Each finished conversation goes to ``journal``.
-    Returns the new tokens decoded."""
+    submitted as soon as the answer before it is back. Each finished conversation goes to ``journal``; an
+    answer cut at the limit goes through ``loops`` first. Returns the new tokens decoded."""
     from tqdm.auto import tqdm
 
     answers: dict[int, list[Answer]] = {i: [] for i in todo}
@@ -323,6 +320,12 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
                 c["answers"] += 1
                 if not a.finished:
                     c["cut_at_max_new_tokens"] += 1
+                    kept = loops(a, c) if loops is not None else a
+                    if kept is None:  # dropped: the conversation ends with the answer before it
+                        said.pop()
+                        c["answers"] -= 1
+                    else:
+                        said[-1] = kept
                 else:
                     over = len(said) > last[i]
             if not over:
@@ -334,7 +337,7 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
             if said:
                 record = {"id": p.id, "messages": _conversation(p, said)[: 2 * len(said) + (1 if p.system else 0)]}
             c["conversations"] = int(record is not None)
-            journal.append(i, record, c)
+            journal.append({"i": i, "record": record, "counts": c})
             del answers[i], counts[i]
             bar.update(1)
             bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
@@ -359,7 +362,7 @@ def _request_seed(seed: int, i: int, turn: int) -> int:
 
 
 def _backend(*, server, server_model, api_key_env, concurrency, server_timeout, info, tok, device, device_map, dtype,
-             max_new_tokens, max_seq_len, batch_tokens, temperature, seed, d):  # fmt: skip
+             max_new_tokens, max_seq_len, batch_tokens, temperature, seed, d, repetition_penalty=1.0):  # fmt: skip
     if server:
         return ServerBackend(Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature,
                                     seed=seed, concurrency=concurrency, api_key_env=api_key_env,
@@ -371,14 +374,14 @@ def _backend(*, server, server_model, api_key_env, concurrency, server_timeout, 
     model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
     budget = batch_tokens or default_batch_tokens(model, max_len=max_seq_len)
     return LocalBackend(model, tok, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, batch_tokens=budget,
-                        temperature=temperature, seed=seed)  # fmt: skip
+                        temperature=temperature, seed=seed, repetition_penalty=repetition_penalty)  # fmt: skip
 
 
 class LocalBackend:
     """Answers from the verifier loaded here, through the generation engine's continuous batching."""
 
     def __init__(self, model, tok, *, max_new_tokens: int, max_seq_len: int, batch_tokens: int, temperature: float,
-                 seed: int) -> None:  # fmt: skip
+                 seed: int, repetition_penalty: float = 1.0) -> None:  # fmt: skip
         from eyas.data.chat import end_of_turn_ids
         from eyas.engine.generate import BatchDecoder, RequestQueue
 
@@ -390,7 +393,8 @@ class LocalBackend:
         # device_map spreads layers over devices: CUDA graphs record one device's stream only
         graphs = not getattr(model, "hf_device_map", None)
         self.decoder = BatchDecoder(model, eos_ids=self.eos_ids, max_len=max_seq_len, batch_tokens=batch_tokens,
-                                    temperature=temperature, pad_id=pad, cuda_graphs=graphs)  # fmt: skip
+                                    temperature=temperature, pad_id=pad, cuda_graphs=graphs,
+                                    repetition_penalty=repetition_penalty)  # fmt: skip
         self.queue = RequestQueue()
         self._early: list[tuple[int, Answer]] = []
 
@@ -446,7 +450,9 @@ def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:
         f"conversations with {o['answers']:,} answers by the verifier -> {out_dir / CONVERSATIONS}\n"
         f"  {o['new_tokens']:,} new tokens; "
         f"{o['cut_at_max_new_tokens']:,} answers cut at --max-new-tokens, {o['empty_answers']:,} empty, "
-        f"{o['prompt_too_long']:,} turns past --max-seq-len"
+        f"{o['prompt_too_long']:,} turns past --max-seq-len\n  {o['loops']:,} of the cut answers end in a "
+        f"repetition loop ({o['loop_tokens']:,} tokens of loop; {o['trimmed_tokens']:,} trimmed, "
+        f"{o['dropped_answers']:,} answers dropped)"
     )
     lines = report.summary_lines()
     if lines:  # as prepare reports them

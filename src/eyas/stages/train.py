@@ -402,14 +402,35 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
             plot_curves(out, ttt_steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
-            summary.update(train=result["train"], val=result["val"], accuracy=accuracy, truncated_rows=truncated,
+            val = result["val"]
+            if val:  # what the validation tau is an average over (it is not eval's tau: see `covers`)
+                val = {**val, "covers": validation_coverage(rows_val, lengths, counts)}
+            summary.update(train=result["train"], val=val, accuracy=accuracy, truncated_rows=truncated,
                            skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
             output.finish(outputs=summary, verifier_path=info.path, data_path=str(c.data))
             if result["train"]:
                 print_summary(result["train"], label=f"training (last {c.log_every} steps)", accuracy=accuracy)
             if result["val"]:
                 print_summary(result["val"], label="validation", accuracy=accuracy)
+                print(f"  over {val['covers']['what']}")
             print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
                   f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
         d.barrier("end of training")
         return result
+
+
+def validation_coverage(rows_val, lengths, counts) -> dict[str, Any]:
+    """Which rows and lengths train's validation tau covers: its held-out rows, their token lengths, and the
+    positions it pools. That tau is :func:`eyas.training.loss.implied_tau` of accuracy pooled over every loss-masked
+    position of whole rows (every assistant turn, to its end), while decoding starts a round only where the last
+    one ended and stops at eval's ``--max-new-tokens``: `eyas eval --offline` walks the turns as decoding does."""
+    n = np.asarray(lengths)[rows_val] if len(rows_val) else np.zeros(0, dtype=np.int64)
+    scored = int(np.asarray(counts)[rows_val, 0].sum()) if len(rows_val) else 0
+    out = {"rows": int(len(rows_val)), "tokens": int(n.sum()), "scored_positions": scored,
+           "row_tokens_mean": round(float(n.mean()), 1) if len(n) else 0.0,
+           "row_tokens_max": int(n.max()) if len(n) else 0}  # fmt: skip
+    out["what"] = (f"{out['rows']} held-out rows ({out['tokens']:,} tokens, {out['row_tokens_mean']:.0f} a row on "
+                   f"average, at most {out['row_tokens_max']}), every one of their {scored:,} assistant positions "
+                   "pooled, whole turns however long; eval's tau walks rounds over at most --max-new-tokens a turn "
+                   "(`eyas eval --offline` predicts that)")  # fmt: skip
+    return out

@@ -1,0 +1,106 @@
+"""`eyas prompts`: the verifier writes user turns from its template's user-turn prefix (Magpie); they are
+filtered, deduplicated, journaled (a killed run resumes) and read by `eyas regenerate`, alone or mixed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.data.datasets import load_prompts
+from eyas.data.repetition import find_loop, normalized
+from eyas.stages.prompts import PROMPTS, prompts, unique_in_order, user_turn_prefix, verdict
+from eyas.verifier.load import load_tokenizer, resolve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_smollm2_user_turn_prefix_is_chatml_up_to_the_user_content(smollm2_path):
+    tok = load_tokenizer(resolve(str(smollm2_path)))
+    prefix, end = user_turn_prefix(tok)
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n<|im_start|>user\n")
+    assert end == "<|im_end|>"
+    own, _ = user_turn_prefix(tok, system="Be brief.")
+    assert own == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+
+
+def test_verdicts_refuse_what_is_not_a_prompt():
+    ids = list(range(12))
+    assert verdict("What is the capital of France?", ids, finished=True, min_words=3) == "kept"
+    assert verdict("Tell me about the sea", ids, finished=False, min_words=3) == "unfinished"
+    assert verdict("", [], finished=True, min_words=3) == "empty"
+    assert verdict("Hello there", ids[:2], finished=True, min_words=3) == "too_short"
+    assert verdict("a b c d " * 10, [1, 2, 3, 4] * 10, finished=True, min_words=3) == "repetitive"
+    assert normalized("  Hello,   World! ") == "hello world"
+    entries = {2: {"verdict": "kept", "text": "what is the CAPITAL of france"}, 0: {"verdict": "too_short", "text": "Hi"},
+               1: {"verdict": "kept", "text": "What is the capital of France?"}}  # fmt: skip
+    assert unique_in_order(entries) == ([1], {"too_short": 1, "kept": 1, "duplicate": 1})  # the first one stays
+
+
+def test_loops_are_found_with_their_first_copy_and_changing_counters():
+    prefix = [900 + i for i in range(40)]
+    unit = [5, 6, 7, 8, 9, 10, 11]
+    loop = find_loop(prefix + unit * 9 + unit[:3])
+    assert (loop.start, loop.period) == (40, 7) and loop.trimmed_length() == 47
+    numbered = prefix + sum(([1, 2, 3, 100 + i, 4, 5, 6, 7, 8, 9] for i in range(6)), [])  # "1. item", "2. item"
+    assert find_loop(numbered).start == 40
+    assert find_loop(prefix) is None and find_loop([1] * 20) is None  # too short to call a loop
+
+
+def test_tiny_verifier_prompts_resume_and_feed_regenerate(make_tiny, tmp_path):
+    """A run on a tiny verifier writes what its manifest counts; a run stopped part way (its journal kept, the
+    last line cut as a kill leaves it) finishes with the same prompts; regenerate answers a mix with another
+    source."""
+    from eyas.stages.regenerate import regenerate
+
+    t = make_tiny("llama")
+    kw = dict(verifier=str(t.path), out=str(tmp_path / "p"), num_prompts=6, max_new_tokens=12, min_words=1,
+              batch_tokens=2048, max_attempts=60)  # fmt: skip
+    m = prompts(**kw)
+    rows = [json.loads(x) for x in (tmp_path / "p" / PROMPTS).read_text().split("\n") if x]
+    o = m["outputs"]
+    assert len(rows) == o["prompts"] > 0 and o["samples"] == o["prompts"] + sum(o["refused"].values())
+    assert len({normalized(r["turns"][0]) for r in rows}) == len(rows)  # no duplicates
+    assert prompts(**kw)["created"] == m["created"]  # up to date: skipped
+
+    # killed part way (after a few samples were journaled, the last line cut as a kill in mid-write leaves it):
+    # the same command resumes and writes exactly what the uninterrupted run wrote
+    import eyas.stages.prompts as sp
+
+    again, calls, real = tmp_path / "again", [], sp.verdict
+
+    def killed_after_five(*a, **k):
+        calls.append(1)
+        if len(calls) > 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sp, "verdict", killed_after_five)
+        with pytest.raises(KeyboardInterrupt):
+            prompts(**{**kw, "out": str(again)})
+    assert not (again / "manifest.json").exists()
+    (journal,) = (again / ".parts").glob("journal-*.jsonl")
+    assert journal.read_text().count("\n") == 5
+    with open(journal, "a") as f:
+        f.write('{"i": 99, "verdict": "ke')
+    m2 = prompts(**{**kw, "out": str(again)})
+    assert (again / PROMPTS).read_text() == (tmp_path / "p" / PROMPTS).read_text() and m2["outputs"] == o
+
+    prompts_file = tmp_path / "other.jsonl"
+    prompts_file.write_text(json.dumps({"id": "o1", "turns": ["Hello there, who are you?"]}) + "\n")
+    loaded, _ = load_prompts(f"{prompts_file},{tmp_path / 'p'}")
+    assert [p.id for p in loaded] == ["o1"] + [r["id"] for r in rows]
+    r = regenerate(verifier=str(t.path), data=f"{prompts_file},{tmp_path / 'p'}", out=str(tmp_path / "r"),
+                   max_new_tokens=6, batch_tokens=2048)  # fmt: skip
+    assert r["outputs"]["prompts"] == 1 + len(rows)
+
+
+def test_smollm2_writes_real_prompts(smollm2_path, tmp_path):
+    """The real SmolLM2 at a few prompts: each kept prompt is a user request in words, none repeated."""
+    m = prompts(verifier=str(smollm2_path), out=str(tmp_path / "p"), num_prompts=3, max_new_tokens=48,
+                batch_tokens=4096)  # fmt: skip
+    rows = [json.loads(x)["turns"][0] for x in (tmp_path / "p" / PROMPTS).read_text().split("\n") if x]
+    assert len(rows) == m["outputs"]["prompts"] == 3
+    assert all(len(r.split()) >= 3 and "<|im" not in r for r in rows)
+    assert m["user_turn_prefix"].endswith("<|im_start|>user\n")
