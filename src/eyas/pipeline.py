@@ -253,20 +253,30 @@ _INPUTS = ("data", "prompts", "vocab", "draft", "offline", "chat_template")
 def _check_inputs(path: Path, plan: list, outs: list[Path]) -> None:
     """Every input a section names exists, or is the output of a section: checked before the first stage, so a
     missing ``[eval] prompts`` file is not found only after hours of training."""
-    from eyas.data.named_sets import NAMED_SETS
-
     for name, _, c in plan:
         for key in _INPUTS:
             value = getattr(c, key, None)
-            if not isinstance(value, str) or not value or value in NAMED_SETS or (key == "draft" and value == "random"):
+            if not isinstance(value, str) or not value:
                 continue
-            if key == "chat_template" and not value.endswith((".jinja", ".j2", ".gguf")) and value.count("/") == 1:
-                continue  # a hub id whose template to use
-            p = Path(value).expanduser()
-            made = any(p.resolve() == o or o in p.resolve().parents for o in outs)
-            if not made and not p.exists():
-                raise EyasError(f"{path}: [{name}] {key} {value} not found (and no section writes it): fix the path "
-                                "before any stage runs")  # fmt: skip
+            # a data mix, "sharegpt,runs/x/prompts" (eyas.data.datasets.resolve_source): each source in turn
+            mix = key == "data" and "," in value and not Path(value).exists()
+            for source in ([x.strip() for x in value.split(",") if x.strip()] if mix else [value]):
+                _check_input(path, name, key, source, outs)
+
+
+def _check_input(path: Path, name: str, key: str, value: str, outs: list[Path]) -> None:
+    """One input of ``[name] key``: a named set, a path that exists, or one a section writes."""
+    from eyas.data.named_sets import NAMED_SETS
+
+    if value in NAMED_SETS or (key == "draft" and value == "random"):
+        return
+    if key == "chat_template" and not value.endswith((".jinja", ".j2", ".gguf")) and value.count("/") == 1:
+        return  # a hub id whose template to use
+    p = Path(value).expanduser()
+    made = any(p.resolve() == o or o in p.resolve().parents for o in outs)
+    if not made and not p.exists():
+        raise EyasError(f"{path}: [{name}] {key} {value} not found (and no section writes it): fix the path "
+                        "before any stage runs")  # fmt: skip
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -68,6 +68,7 @@ max_new_tokens = 8
     ("[prepare]\ndata = 'DATA'\n[eval]\nprompts = 'PROMPTS.missing'\n",
      r"\[eval\] prompts .*prompts.jsonl.missing not found \(and no section writes it\)"),
     ("[vocab]\ndata = 'nowhere/prepared'\n", r"\[vocab\] data nowhere/prepared not found"),
+    ("[regenerate]\ndata = 'sharegpt,DATA,nowhere/x.jsonl'\n", r"\[regenerate\] data nowhere/x.jsonl not found"),
 ])  # fmt: skip
 def test_bad_config_fails_before_any_stage(make_tiny, tmp_path, body, message):
     cfg = _config(tmp_path, make_tiny("llama").path, body)

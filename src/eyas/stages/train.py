@@ -397,14 +397,14 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         # what the defaults resolved to on this machine (the settings record what was asked for)
         result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host)
         state = trainer.final_state()
+        if result["val"]:  # what the validation tau is an average over (it is not eval's tau: see `covers`)
+            result["val"] = {**result["val"], "covers": validation_coverage(rows_val, lengths, counts)}
+        val = result["val"]
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
             plot_curves(out, ttt_steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
-            val = result["val"]
-            if val:  # what the validation tau is an average over (it is not eval's tau: see `covers`)
-                val = {**val, "covers": validation_coverage(rows_val, lengths, counts)}
             summary.update(train=result["train"], val=val, accuracy=accuracy, truncated_rows=truncated,
                            skipped_rows=empty, val_rows=rows_val.tolist())  # fmt: skip
             output.finish(outputs=summary, verifier_path=info.path, data_path=str(c.data))
