@@ -43,8 +43,10 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.stages.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, check_layer_ids,
-                          default_shard_tokens, plan_batches, plan_shards, plan_windows)
+from eyas.engine.extractor import plan_batches
+from eyas.stages.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, default_shard_tokens,
+                                 plan_shards, plan_windows)
+from eyas.verifier.info import check_aux_layer_ids as check_layer_ids
 from eyas.verifier.load import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
 
 

@@ -24,7 +24,8 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.stages.extract import Extractor, InMemoryRows, check_layer_ids, plan_shards, plan_windows
+from eyas.stages.extract import Extractor, InMemoryRows, plan_shards, plan_windows
+from eyas.verifier.info import check_aux_layer_ids as check_layer_ids
 from eyas.data.features import fp8_decode, fp8_encode, fp8_scale
 from eyas.verifier.load import build_text_model, load_tokenizer, resolve
 

@@ -41,7 +41,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
 from eyas.data.datasets import load_prompts  # noqa: E402
-from eyas.engine.generate import BatchDecoder, Request, RequestQueue, default_batch_tokens, encode_prompt, end_of_turn_ids  # noqa: E402
+from eyas.data.chat import encode_prompt, end_of_turn_ids  # noqa: E402
+from eyas.engine.generate import BatchDecoder, Request, RequestQueue, default_batch_tokens  # noqa: E402
 from eyas.verifier.load import build_text_model, load_tokenizer, resolve  # noqa: E402
 
 

@@ -93,7 +93,7 @@ def features(path: Path, verifier: Path, d: Dims, *, rows: int, seq_len: int, pr
     of the row when ``prompt`` would leave no answer: the smoke runs' 64-token rows)."""
     from eyas.data.features import FORMAT, shard_tensors, write_shard
     from eyas.core.manifest import write_manifest
-    from eyas.verifier.load import default_aux_layer_ids, fingerprint, resolve
+    from eyas.verifier.info import default_aux_layer_ids, fingerprint, resolve
 
     if _done(path):
         return path

@@ -34,9 +34,6 @@ from eyas.core.errors import EyasError
 from eyas.engine.graphs import Graphs
 from eyas.engine.slots import Slots, key_bucket, layer_shapes, slot_attention
 
-# bench/ scripts import these names from this module
-from eyas.data.chat import encode_prompt, end_of_turn_ids  # noqa: F401, E402
-
 
 # --------------------------------------------------------------------------- one sequence (eval)
 

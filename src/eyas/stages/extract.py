@@ -35,10 +35,6 @@ from eyas.core.errors import EyasError
 from eyas.engine.extractor import WINDOW_SHARDS, Extractor
 from eyas.data.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 
-# bench/ scripts import these names from this module
-from eyas.engine.extractor import plan_batches  # noqa: F401, E402
-from eyas.verifier.info import check_aux_layer_ids as check_layer_ids  # noqa: F401, E402
-
 # Target shard size on disk. Rows are sorted by length and batched inside a window of shards, which must hold
 # many batches for little padding: 256 MiB shards, one per window, padded 32% of the forward's tokens on
 # SmolLM2 (4.6 KB per token in bf16; H200 run in docs/BENCHMARKS.md), 1 GiB ones 13%.

@@ -26,9 +26,6 @@ from eyas.core.errors import EyasError
 from eyas.verifier.locate import DEMO_VERIFIER, locate_checkpoint, weight_refs
 from eyas.verifier.info import TensorRef, VerifierInfo, gguf_reader, resolve, transformers_text_config
 
-# bench/ scripts import these names from this module
-from eyas.verifier.info import default_aux_layer_ids, fingerprint  # noqa: F401, E402
-
 # --------------------------------------------------------------------------- tensors
 
 
