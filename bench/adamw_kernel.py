@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # the layer's linears with their bf16 working copies, as eyas.stages.train sets them up
             layer = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False, device=dev) for o, i in layer_shapes])
             use_working_weights(layer, torch.bfloat16)
-            params = [*layer.parameters(),
-                      *(torch.nn.Parameter(0.02 * torch.randn(s, generator=g, device=dev)) for s in other_shapes)]
+            params = [
+                *layer.parameters(),
+                *(torch.nn.Parameter(0.02 * torch.randn(s, generator=g, device=dev)) for s in other_shapes),
+            ]
             for q in params:
                 q.grad = 1e-3 * torch.randn(q.shape, generator=g, device=dev)
             groups = [{"params": [q for q in params if q.ndim == 2], "weight_decay": 0.01},

@@ -99,8 +99,12 @@ def main() -> None:
                 for tau in (1.68, 1.86):
                     row[f"{name}_speedup_at_tau_{tau}"] = tau * row["plain_ms_per_token"] / row[f"{name}_ms_per_round"]
                 rounds = len(speculative_generate(r.spec, r.draft, prompt, max_new_tokens=m, **kw).accepted)
-                row[f"{name}_round_profile"] = kernels(lambda: speculative_generate(  # noqa: B023
-                    r.spec, r.draft, prompt, max_new_tokens=m, **kw), rounds)
+                row[f"{name}_round_profile"] = kernels(
+                    lambda: speculative_generate(  # noqa: B023
+                        r.spec, r.draft, prompt, max_new_tokens=m, **kw
+                    ),
+                    rounds,
+                )
         except Exception as e:  # one implementation failing must not hide the other
             import traceback
 

@@ -44,8 +44,15 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eyas.engine.extractor import plan_batches
-from eyas.stages.extract import (WINDOW_SHARDS, Extractor, InMemoryRows, PreparedRows, default_shard_tokens,
-                                 plan_shards, plan_windows)
+from eyas.stages.extract import (
+    WINDOW_SHARDS,
+    Extractor,
+    InMemoryRows,
+    PreparedRows,
+    default_shard_tokens,
+    plan_shards,
+    plan_windows,
+)
 from eyas.verifier.info import check_aux_layer_ids as check_layer_ids
 from eyas.verifier.load import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
 
@@ -164,17 +171,25 @@ def hash_GBps(nbytes: int = 256 << 20) -> float:
 def main() -> None:
     global EX
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--verifier", default="smollm2", help="checkpoint dir, .gguf file, 'smollm2' (the installed GGUF) or 'random-smollm2' (its "
-                         "architecture, random weights)")
+    ap.add_argument(
+        "--verifier",
+        default="smollm2",
+        help="checkpoint dir, .gguf file, 'smollm2' (the installed GGUF) or 'random-smollm2' (its "
+        "architecture, random weights)",
+    )
     ap.add_argument("--data", help="prepared rows (`eyas prepare` output); default: synthetic rows")
     ap.add_argument("--rows", type=int, default=4000, help="synthetic rows (default 4000, about 2.5M tokens)")
     ap.add_argument("--median-len", type=int, default=450)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: eyas extract's (32768 on CUDA)")
     ap.add_argument("--writer-threads", type=int, default=None)
-    ap.add_argument("--out", action="append", default=None,
-                    help="where shards are written (each deleted once written); repeat to measure several places "
-                         "(RAM, local disk) in one run; default: a temp dir")
+    ap.add_argument(
+        "--out",
+        action="append",
+        default=None,
+        help="where shards are written (each deleted once written); repeat to measure several places "
+        "(RAM, local disk) in one run; default: a temp dir",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-capture-only", action="store_true", help="skip the capture-only pass (shorter long runs)")
     ap.add_argument("--order", default="bf16,fp8", help="the dtypes extracted, in this order")
@@ -200,12 +215,17 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         batch_tokens = args.batch_tokens or (32768 if device.type == "cuda" else 8192)
         layer_ids = check_layer_ids(info.aux_layer_ids, info.num_hidden_layers)
-        make = lambda dtype: Extractor(model, layer_ids=layer_ids, dtype=dtype,  # noqa: E731
-                                       batch_tokens=batch_tokens, writer_threads=args.writer_threads)
+
+        def make(dtype):
+            return Extractor(
+                model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens, writer_threads=args.writer_threads
+            )
+
         EX = make("bf16")
         per_shard = {d: default_shard_tokens(source.lengths, info.hidden_size, d) for d in ("bf16", "fp8")}
-        windows = {d: plan_windows(plan_shards(source.lengths, per_shard[d]))
-                  for d in ("bf16", "fp8")}  # fmt: skip  (windows of shards, as `eyas extract` runs them)
+        windows = {
+            d: plan_windows(plan_shards(source.lengths, per_shard[d])) for d in ("bf16", "fp8")
+        }  # fmt: skip  (windows of shards, as `eyas extract` runs them)
         outs = [Path(o) for o in args.out] if args.out else [tmp / "features"]
         # First passes over batch shapes never seen: what one pass over a dataset meets. With torch's default
         # backends an H200 runs cuDNN attention, which plans every new shape (bench/gpu/cold_shapes.py); the

@@ -239,9 +239,14 @@ def kernels(experts: PackedExperts, device: torch.device, rows_list, repeats: in
                                       repeats)  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 r["tinygemm_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        out[str(rows)] = {k: (round(v * 1e6, 1) if k in ("bf16", "dequant_compiled", "dequant_eager",
-                                                           "compressed_tensors", "tinygemm") else v)
-                          for k, v in r.items()}  # fmt: skip  (microseconds per call)
+        out[str(rows)] = {
+            k: (
+                round(v * 1e6, 1)
+                if k in ("bf16", "dequant_compiled", "dequant_eager", "compressed_tensors", "tinygemm")
+                else v
+            )
+            for k, v in r.items()
+        }  # fmt: skip  (microseconds per call)
     return out
 
 
@@ -342,8 +347,11 @@ def main(argv: list[str] | None = None) -> dict:
             gc.collect()
             models["bf16"] = build_text_model(info, dtype=torch.bfloat16, packed=False, **where)
         sync(device)
-        return {"resident_bytes": resident_bytes(models["bf16"]), "how": how,
-                "experts_implementation": getattr(models["bf16"].config, "_experts_implementation", None)}
+        return {
+            "resident_bytes": resident_bytes(models["bf16"]),
+            "how": how,
+            "experts_implementation": getattr(models["bf16"].config, "_experts_implementation", None),
+        }
 
     packed = run.stage("load_packed", load_packed)
     if packed is None:
@@ -418,9 +426,14 @@ def main(argv: list[str] | None = None) -> dict:
     if dec_p:
         run.save(graphs=dec_p["graphs"], decode_tokens_per_s={"packed": dec_p["tokens_per_s"]})
         if dec_d:
-            run.save(decode_tokens_per_s={"packed": dec_p["tokens_per_s"], "bf16": dec_d["tokens_per_s"],
-                                          "bf16_graphs": dec_d["graphs"],
-                                          "packed_over_bf16": round(dec_p["tokens_per_s"] / dec_d["tokens_per_s"], 3)})
+            run.save(
+                decode_tokens_per_s={
+                    "packed": dec_p["tokens_per_s"],
+                    "bf16": dec_d["tokens_per_s"],
+                    "bf16_graphs": dec_d["graphs"],
+                    "packed_over_bf16": round(dec_p["tokens_per_s"] / dec_d["tokens_per_s"], 3),
+                }
+            )
     other = "compiled" if not default_compile else "eager"  # the dequantization that is not the default
     for shape in ("extract", "online"):
         run.stage(f"forward_packed_{shape}_{other}_dequant",

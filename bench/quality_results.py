@@ -57,25 +57,46 @@ def gather(run: Path) -> dict:
     result: dict = {"what": "SmolLM2-135M-Instruct from nothing to a measured draft: eyas run "
                             "configs/smollm2-gpu.toml (bench/gpu/quality.sh)"}  # fmt: skip
     if selfp:
-        result["prompts"] = {**{k: selfp["settings"].get(k) for k in ("num_prompts", "temperature", "top_p",
-                                                                      "max_new_tokens")},  # fmt: skip
-                             **selfp["outputs"], **selfp.get("timing", {})}
+        result["prompts"] = {
+            **{
+                k: selfp["settings"].get(k) for k in ("num_prompts", "temperature", "top_p", "max_new_tokens")
+            },  # fmt: skip
+            **selfp["outputs"],
+            **selfp.get("timing", {}),
+        }
     if regen:
         o, t = regen["outputs"], regen.get("timing", {})
-        result["regenerate"] = {**{k: regen["settings"].get(k) for k in ("max_samples", "max_turns", "max_new_tokens",
-                                                                        "max_seq_len")},  # fmt: skip
-                                "data": regen["inputs"]["data"]["source"],
-                                "loop_policy": regen["settings"].get("loops"),
-                                "repetition_penalty": regen["settings"].get("repetition_penalty"),
-                                **{k: o.get(k) for k in ("prompts", "conversations", "answers", "new_tokens",
-                                                          "cut_at_max_new_tokens", "loops", "loop_tokens",
-                                                          "trimmed_tokens", "dropped_answers")},  # fmt: skip
-                                "seconds": t.get("seconds"), "new_tokens_per_s": t.get("new_tokens_per_s")}
+        result["regenerate"] = {
+            **{
+                k: regen["settings"].get(k) for k in ("max_samples", "max_turns", "max_new_tokens", "max_seq_len")
+            },  # fmt: skip
+            "data": regen["inputs"]["data"]["source"],
+            "loop_policy": regen["settings"].get("loops"),
+            "repetition_penalty": regen["settings"].get("repetition_penalty"),
+            **{
+                k: o.get(k)
+                for k in (
+                    "prompts",
+                    "conversations",
+                    "answers",
+                    "new_tokens",
+                    "cut_at_max_new_tokens",
+                    "loops",
+                    "loop_tokens",
+                    "trimmed_tokens",
+                    "dropped_answers",
+                )
+            },  # fmt: skip
+            "seconds": t.get("seconds"),
+            "new_tokens_per_s": t.get("new_tokens_per_s"),
+        }
     if prep:
         result["prepare"] = {k: prep["outputs"].get(k) for k in ("rows", "tokens", "masked_tokens")}
     if vocab:
-        result["vocab"] = {"draft_vocab_size": vocab["settings"]["draft_vocab_size"],
-                           "masked_coverage": vocab["outputs"].get("masked_coverage")}
+        result["vocab"] = {
+            "draft_vocab_size": vocab["settings"]["draft_vocab_size"],
+            "masked_coverage": vocab["outputs"].get("masked_coverage"),
+        }
     runs = []
     for m in sorted(run.glob("draft*/manifest.json")):
         d = json.loads(m.read_text())
@@ -132,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         a.out.write_text(text)
         for s, ks in result["eval"].items():
             for k, m in ks.items():
-                print(f"{s} {k}: tau {m['tau']:.3f}, speedup {m['speedup'] or float('nan'):.2f}x, "
-                      f"{m['num_prompts']} prompts, lossless {m['lossless']}")
+                print(
+                    f"{s} {k}: tau {m['tau']:.3f}, speedup {m['speedup'] or float('nan'):.2f}x, "
+                    f"{m['num_prompts']} prompts, lossless {m['lossless']}"
+                )
     else:
         print(text, end="")
     return 0

@@ -75,13 +75,21 @@ def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max
     sync(dev)
     s = time.perf_counter() - t0
     st = dec.stats
-    return {"method": "engine" + ("" if graphs else "-eager") + ("" if attention == "auto" else f"-{attention}"),
-            "attention": dec.slots.attention, "tokens": tokens, "seconds": round(s, 2),
-            "tokens_per_s": tokens / s, "setup_s": round(setup_s, 1), "slots": dec.num_slots,
-            "batch_tokens": batch_tokens, "kv_gib": round(dec.kv_bytes / 2**30, 2),
-            "slot_use": round(st["slot_steps_used"] / max(st["steps"] * dec.num_slots, 1), 3),
-            "prefill_forwards": st["prefills"], "steps": st["steps"],
-            "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
+    return {
+        "method": "engine" + ("" if graphs else "-eager") + ("" if attention == "auto" else f"-{attention}"),
+        "attention": dec.slots.attention,
+        "tokens": tokens,
+        "seconds": round(s, 2),
+        "tokens_per_s": tokens / s,
+        "setup_s": round(setup_s, 1),
+        "slots": dec.num_slots,
+        "batch_tokens": batch_tokens,
+        "kv_gib": round(dec.kv_bytes / 2**30, 2),
+        "slot_use": round(st["slot_steps_used"] / max(st["steps"] * dec.num_slots, 1), 3),
+        "prefill_forwards": st["prefills"],
+        "steps": st["steps"],
+        "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None,
+    }
 
 
 def run_hf_static(model, prompts: list[list[int]], *, eos, pad: int, max_new_tokens: int, batch: int) -> dict:
@@ -114,8 +122,14 @@ def run_hf_static(model, prompts: list[list[int]], *, eos, pad: int, max_new_tok
         tokens += one(order[a : a + batch])
     sync(dev)
     s = time.perf_counter() - t0
-    return {"method": "hf-static", "tokens": tokens, "seconds": round(s, 2), "tokens_per_s": tokens / s,
-            "warmup_s": round(warm, 1), "batch": batch}
+    return {
+        "method": "hf-static",
+        "tokens": tokens,
+        "seconds": round(s, 2),
+        "tokens_per_s": tokens / s,
+        "warmup_s": round(warm, 1),
+        "batch": batch,
+    }
 
 
 def run_hf_cb(model, prompts: list[list[int]], *, eos, pad: int, max_new_tokens: int) -> dict:
@@ -140,8 +154,12 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=None, help="the engine's budget (default: its own)")
     ap.add_argument("--hf-batch", type=int, default=256)
-    ap.add_argument("--max-prompt-len", type=int, default=None,
-                    help="keep prompts of at most this many tokens (one padded length: generate compiles once)")
+    ap.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=None,
+        help="keep prompts of at most this many tokens (one padded length: generate compiles once)",
+    )
     ap.add_argument("--methods", default="engine,hf-static,hf-cb")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few prompts: checks it runs")

@@ -35,10 +35,20 @@ class Dims:
 
 #: Llama-3.1-8B and Kimi-K2.5 (its DeepseekV3 text model: the draft gets plain GQA 64/8, head_dim 7168/64)
 PRESETS = {
-    "llama8b": Dims(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
-                    draft_vocab=32000),  # fmt: skip
-    "kimi": Dims(hidden=7168, layers=61, heads=64, kv_heads=8, head_dim=112, intermediate=18432, vocab=163840,
-                 draft_vocab=32000, rope_theta=50000.0),  # fmt: skip
+    "llama8b": Dims(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, draft_vocab=32000
+    ),  # fmt: skip
+    "kimi": Dims(
+        hidden=7168,
+        layers=61,
+        heads=64,
+        kv_heads=8,
+        head_dim=112,
+        intermediate=18432,
+        vocab=163840,
+        draft_vocab=32000,
+        rope_theta=50000.0,
+    ),  # fmt: skip
     "smoke": Dims(hidden=64, layers=8, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=256),
 }
 
@@ -136,7 +146,13 @@ def inputs(workdir: Path, preset: str, *, rows: int, seq_len: int, prompt: int =
     return {
         "verifier": verifier,
         "vocab": draft_vocab(root / "vocab", d),
-        "features": features(features_dir(workdir, preset, rows=rows, seq_len=seq_len, prompt=prompt), verifier, d,
-                             rows=rows, seq_len=seq_len, prompt=prompt),
+        "features": features(
+            features_dir(workdir, preset, rows=rows, seq_len=seq_len, prompt=prompt),
+            verifier,
+            d,
+            rows=rows,
+            seq_len=seq_len,
+            prompt=prompt,
+        ),
         "dims": d,
     }

@@ -61,16 +61,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--full-vocab-accuracy", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--freeze-lm-head", action="store_true", help="as speculators 0.9 always does")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--working-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 working copies cast once per step, fp32 weight gradients from the matmuls (default: on)")
+    p.add_argument(
+        "--working-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 working copies cast once per step, fp32 weight gradients from the matmuls (default: on)",
+    )
     p.add_argument("--keep-output", action="store_true",
                    help="keep the run's draft and checkpoints (by default removed after the measurement: a run of "
                         "real dims writes GiBs, enough to fill a GPU machine's 64 GiB disk)")  # fmt: skip
-    p.add_argument("--deferred-wgrad", action=argparse.BooleanOptionalAction, default=None,
-                   help="each layer weight's gradient accumulated over the TTT steps by its matmuls (default: on "
-                        "with working weights and without --gradient-checkpointing)")
-    p.add_argument("--loader-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)")
+    p.add_argument(
+        "--deferred-wgrad",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each layer weight's gradient accumulated over the TTT steps by its matmuls (default: on "
+        "with working weights and without --gradient-checkpointing)",
+    )
+    p.add_argument(
+        "--loader-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the frozen embedding in host memory, looked up by the loader (default: on, offline on CUDA)",
+    )
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--torch-adamw", action="store_true",
                    help="A/B: torch's fused AdamW step and a separate working-copy refresh (eyas before commit "
@@ -80,8 +92,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--profile-every", type=int, default=20)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "eyas-bench")
-    p.add_argument("--torch-profile", type=int, default=0, metavar="K",
-                   help="run torch.profiler over K steps after the first 15 and print its tables (to stderr)")
+    p.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run torch.profiler over K steps after the first 15 and print its tables (to stderr)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU, a few steps")
     a = p.parse_args(argv)
     if a.smoke:
@@ -111,7 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
         inp = synthetic.inputs(a.workdir, a.preset, rows=rows, seq_len=a.seq_len, prompt=a.prompt_tokens)
     prep_s = time.perf_counter() - t0
     d = inp["dims"]
-    out = a.workdir / a.preset / f"eyas-{a.optimizer}-{a.layout}-{a.seq_len}x{batch}-w{world}-{os.environ.get('TORCHELASTIC_RUN_ID', int(time.time()))}"
+    out = (
+        a.workdir
+        / a.preset
+        / f"eyas-{a.optimizer}-{a.layout}-{a.seq_len}x{batch}-w{world}-{os.environ.get('TORCHELASTIC_RUN_ID', int(time.time()))}"
+    )
     layout = a.layout == "speculators"
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -193,9 +214,11 @@ def _memory_probe(*, skip: int) -> dict:
         if seen[0] > skip:
             found["at_step_start_gib"] = max(found["at_step_start_gib"], gib(start))
             found["step_adds_gib"] = max(found["step_adds_gib"], gib(step_peak[0] - start))
-            found["params_gib"] = gib(sum(t.numel() * t.element_size() for t in (*self.model.parameters(),
-                                                                                 *self.model.buffers())
-                                          if t.is_cuda))  # on the device (not a table the loader keeps on the host)
+            found["params_gib"] = gib(
+                sum(
+                    t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()) if t.is_cuda
+                )
+            )  # on the device (not a table the loader keeps on the host)
             found["optimizer_state_gib"] = gib(sum(t.numel() * t.element_size() for opt in self.optimizers
                                                    for st in opt.state.values() for t in st.values()
                                                    if torch.is_tensor(t)))  # fmt: skip
@@ -238,8 +261,11 @@ def _gpu_gaps(ev: list[dict], steps: int, *, min_us: float = 5.0, top: int = 25)
         per_stream[e.get("tid")] += e["dur"]
     main = per_stream.most_common(1)[0][0] if per_stream else None
     ks = sorted((e for e in gpu if e.get("tid") == main), key=lambda e: e["ts"])
-    launch = {e["args"]["correlation"]: e for e in ev
-              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launch = {
+        e["args"]["correlation"]: e
+        for e in ev
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
     cpu = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
                  key=lambda e: e["ts"])  # fmt: skip
     starts = [e["ts"] for e in cpu]
@@ -256,14 +282,21 @@ def _gpu_gaps(ev: list[dict], steps: int, *, min_us: float = 5.0, top: int = 25)
             t, i = ln["ts"], bisect.bisect_right(starts, ln["ts"]) - 1
             while i >= 0 and len(chain) < 3 and t - cpu[i]["ts"] < 5e6:
                 c = cpu[i]
-                if c["ts"] + c["dur"] >= t and c.get("tid") == ln.get("tid") and not c["name"].startswith("ProfilerStep"):
+                if (
+                    c["ts"] + c["dur"] >= t
+                    and c.get("tid") == ln.get("tid")
+                    and not c["name"].startswith("ProfilerStep")
+                ):
                     chain.append(c["name"][:60])
                 i -= 1
         by_op[" < ".join(chain) or "?"] += gap
-    return {"steps": steps, "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2),
-            "gpu_span_ms_per_step": round(span / 1e3 / steps, 2),
-            "idle_on_main_stream_ms_per_step": round(total / 1e3 / steps, 2),
-            "idle_by_launching_op_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in by_op.most_common(top)}}
+    return {
+        "steps": steps,
+        "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 2),
+        "gpu_span_ms_per_step": round(span / 1e3 / steps, 2),
+        "idle_on_main_stream_ms_per_step": round(total / 1e3 / steps, 2),
+        "idle_by_launching_op_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in by_op.most_common(top)},
+    }
 
 
 def _host_ops(ev: list[dict], steps: int, *, top: int = 30) -> dict:
@@ -292,10 +325,13 @@ def _host_ops(ev: list[dict], steps: int, *, top: int = 30) -> dict:
                 eager[name] += 1
         st.append(e)
     host = [e["dur"] for e in ev if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep")]
-    return {"steps": steps, "host_ms_per_step": round(sum(host) / 1e3 / max(len(host), 1), 2),
-            "eager_ops_per_step": round(sum(eager.values()) / steps, 1),
-            "compiled_graph_calls_per_step": round(graphs / steps, 1),
-            "eager_ops_by_name_per_step": {k: round(v / steps, 1) for k, v in eager.most_common(top)}}
+    return {
+        "steps": steps,
+        "host_ms_per_step": round(sum(host) / 1e3 / max(len(host), 1), 2),
+        "eager_ops_per_step": round(sum(eager.values()) / steps, 1),
+        "compiled_graph_calls_per_step": round(graphs / steps, 1),
+        "eager_ops_by_name_per_step": {k: round(v / steps, 1) for k, v in eager.most_common(top)},
+    }
 
 
 def _profiler(active: int, *, wait: int):

@@ -93,8 +93,19 @@ class Outputs:
 
     def train_args(self, out: Path) -> dict:
         """The arguments :attr:`draft` was trained with, into ``out``: two steps on the features."""
-        return dict(verifier=self.verifier, data=str(self.features), vocab=str(self.vocab), out=str(out), epochs=1,
-                    max_steps=2, max_seq_len=64, num_workers=0, log_every=1, warmup_steps=1, val_ratio=0.25)
+        return dict(
+            verifier=self.verifier,
+            data=str(self.features),
+            vocab=str(self.vocab),
+            out=str(out),
+            epochs=1,
+            max_steps=2,
+            max_seq_len=64,
+            num_workers=0,
+            log_every=1,
+            warmup_steps=1,
+            val_ratio=0.25,
+        )
 
     @functools.cached_property
     def draft(self) -> Path:

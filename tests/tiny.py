@@ -34,7 +34,7 @@ CORPUS = [
     "Explain why the sky is blue in simple terms. Rayleigh scattering makes short wavelengths scatter more.",
     "User: hello there! Assistant: Hi, how can I help you today? 1 2 3 4 5 6 7 8 9 10",
     "Write a haiku about autumn leaves falling slowly onto a quiet pond at dusk.",
-    "Numbers: 3.14159, 2.71828, 1.41421; lists [1, 2, 3]; dicts {'a': 1}; JSON {\"key\": \"value\"}.",
+    'Numbers: 3.14159, 2.71828, 1.41421; lists [1, 2, 3]; dicts {\'a\': 1}; JSON {"key": "value"}.',
 ]
 
 
@@ -351,8 +351,11 @@ def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verif
         stage="prepare",
         inputs={"verifier": fingerprint(info), "chat_template_sha256": None, "source": "tests.tiny.write_prepared"},
         settings={},
-        outputs={"rows": len(rows), "tokens": sum(len(i) for i, _ in rows),
-                 "masked_tokens": sum(sum(m) for _, m in rows)},  # fmt: skip
+        outputs={
+            "rows": len(rows),
+            "tokens": sum(len(i) for i, _ in rows),
+            "masked_tokens": sum(sum(m) for _, m in rows),
+        },  # fmt: skip
         verifier_path=str(info.path),
         vocab_size=info.vocab_size,
     )

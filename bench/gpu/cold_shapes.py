@@ -41,14 +41,26 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(3):
             fwd(1024)()  # context, allocator
-        for label, Ts in (("distinct", range(701, 741)), ("round64", [((t + 63) // 64) * 64 for t in range(1501, 1541)])):
+        for label, Ts in (
+            ("distinct", range(701, 741)),
+            ("round64", [((t + 63) // 64) * 64 for t in range(1501, 1541)]),
+        ):
             first, second = [], []
             for T in Ts:
                 f = fwd(T)
                 first.append(timed(f))
                 second.append(timed(f))
-            print(json.dumps({"forward": label, "shapes": len(set(Ts)), "first_ms_mean": sum(first) / len(first),
-                              "second_ms_mean": sum(second) / len(second), "first_ms": [round(x, 1) for x in first[:12]]}))
+            print(
+                json.dumps(
+                    {
+                        "forward": label,
+                        "shapes": len(set(Ts)),
+                        "first_ms_mean": sum(first) / len(first),
+                        "second_ms_mean": sum(second) / len(second),
+                        "first_ms": [round(x, 1) for x in first[:12]],
+                    }
+                )
+            )
         W = torch.randn(1536, 576, device="cuda", dtype=torch.bfloat16)
         first, second = [], []
         for M in range(30001, 30041):
@@ -71,7 +83,9 @@ def main() -> None:
             f()
             torch.cuda.synchronize()
         print(p.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), file=sys.stderr)
+        print(
+            p.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), file=sys.stderr
+        )
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             f()
             torch.cuda.synchronize()

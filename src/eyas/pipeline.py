@@ -34,12 +34,20 @@ def _wiring(stage: str, root: Path, sections: dict[str, Any], *, label: str | No
         "prepare": {"out": root / "prepared", **({"data": root / "regenerated"} if "regenerate" in sections else {})},
         "vocab": {"data": root / "prepared", "out": root / "vocab"},
         "extract": {"data": root / "prepared", "out": root / "features"},
-        "train": {"data": root / ("prepared" if online else "features"), "out": root / "draft",
-                  **({"vocab": root / "vocab"} if "vocab" in sections else {})},  # fmt: skip
-        "export": {"draft": root / "draft",
-                   "out": root / f"draft-{sections.get('export', {}).get('format', 'speculators')}"},  # fmt: skip
-        "eval": {"draft": root / "draft", "out": root / "eval" / f"{label}.json" if label else root / "eval",
-                 **({"offline": root / "features"} if "extract" in sections else {})},  # fmt: skip
+        "train": {
+            "data": root / ("prepared" if online else "features"),
+            "out": root / "draft",
+            **({"vocab": root / "vocab"} if "vocab" in sections else {}),
+        },  # fmt: skip
+        "export": {
+            "draft": root / "draft",
+            "out": root / f"draft-{sections.get('export', {}).get('format', 'speculators')}",
+        },  # fmt: skip
+        "eval": {
+            "draft": root / "draft",
+            "out": root / "eval" / f"{label}.json" if label else root / "eval",
+            **({"offline": root / "features"} if "extract" in sections else {}),
+        },  # fmt: skip
     }[stage]
 
 
@@ -60,15 +68,25 @@ class RunConfig(StageConfig):
     stage: ClassVar[str] = "run"
 
     config: str = option(positional=True, help="a TOML file (see configs/ for examples).")
-    verifier: str | None = option(None, help="the verifier, instead of the config's top-level verifier (the same "
-                                             "recipe on a local copy of the checkpoint).")
+    verifier: str | None = option(
+        None,
+        help="the verifier, instead of the config's top-level verifier (the same "
+        "recipe on a local copy of the checkpoint).",
+    )
     out: str | None = option(None, help="the root every stage writes under, instead of the config's out.")
-    until: str | None = option(None, help="run the config's stages up to and including this one only (e.g. train: "
-                                          "everything but export and eval), as a time-limited job's first part.")
-    overrides: list[str] = option([], aliases=("--set",), help="SECTION.KEY=VALUE pairs, comma-separated, each "
-                                                                "replacing one key of the config (VALUE in TOML: "
-                                                                "2, 1.5e-3, true, a string; [[eval]] entries are "
-                                                                "eval.N.KEY).")
+    until: str | None = option(
+        None,
+        help="run the config's stages up to and including this one only (e.g. train: "
+        "everything but export and eval), as a time-limited job's first part.",
+    )
+    overrides: list[str] = option(
+        [],
+        aliases=("--set",),
+        help="SECTION.KEY=VALUE pairs, comma-separated, each "
+        "replacing one key of the config (VALUE in TOML: "
+        "2, 1.5e-3, true, a string; [[eval]] entries are "
+        "eval.N.KEY).",
+    )
 
 
 def run_pipeline(c: RunConfig) -> dict[str, Any]:
@@ -136,8 +154,18 @@ def _interrupt(signum, frame) -> None:
 
 def _log_stage(root: Path, name: str, args: StageConfig, seconds: float, finished: bool) -> None:
     with open(root / RUN_LOG, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"stage": name, "out": str(getattr(args, "out", None)), "seconds": round(seconds, 2),
-                            "finished": finished, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "stage": name,
+                    "out": str(getattr(args, "out", None)),
+                    "seconds": round(seconds, 2),
+                    "finished": finished,
+                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            )
+            + "\n"
+        )
 
 
 run = stage_function(RunConfig, run_pipeline, "run")
@@ -260,7 +288,7 @@ def _check_inputs(path: Path, plan: list, outs: list[Path]) -> None:
                 continue
             # a data mix, "sharegpt,runs/x/prompts" (eyas.data.datasets.resolve_source): each source in turn
             mix = key == "data" and "," in value and not Path(value).exists()
-            for source in ([x.strip() for x in value.split(",") if x.strip()] if mix else [value]):
+            for source in [x.strip() for x in value.split(",") if x.strip()] if mix else [value]:
                 _check_input(path, name, key, source, outs)
 
 

@@ -115,12 +115,14 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
             f.write(json.dumps({"id": f"s{i}", "turns": [f"Question {i}: what is {i} plus {i}?", "Why?"]}) + "\n")
     (data / "mt_bench.jsonl").write_bytes(named_set_path("mt-bench").read_bytes())
     (data / "humaneval.jsonl.gz").write_bytes(named_set_path("humaneval").read_bytes())
-    sets = ("prompts.num_prompts=2,prompts.max_new_tokens=12,prompts.max_attempts=100,prompts.min_words=1,"
-            "prompts.batch_tokens=2048,"
-            "regenerate.max_new_tokens=8,regenerate.max_seq_len=256,regenerate.batch_tokens=1024,"
-            "prepare.max_seq_len=256,prepare.num_proc=1,vocab.draft_vocab_size=128,train.max_steps=2,"
-            "train.max_seq_len=256,train.batch_tokens=512,train.num_workers=0,train.val_ratio=0.2,"
-            "eval.0.num_prompts=1,eval.0.max_new_tokens=4,eval.1.num_prompts=1,eval.1.max_new_tokens=4")
+    sets = (
+        "prompts.num_prompts=2,prompts.max_new_tokens=12,prompts.max_attempts=100,prompts.min_words=1,"
+        "prompts.batch_tokens=2048,"
+        "regenerate.max_new_tokens=8,regenerate.max_seq_len=256,regenerate.batch_tokens=1024,"
+        "prepare.max_seq_len=256,prepare.num_proc=1,vocab.draft_vocab_size=128,train.max_steps=2,"
+        "train.max_seq_len=256,train.batch_tokens=512,train.num_workers=0,train.val_ratio=0.2,"
+        "eval.0.num_prompts=1,eval.0.max_new_tokens=4,eval.1.num_prompts=1,eval.1.max_new_tokens=4"
+    )
     verifier = make_tiny("llama").path
     cut = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 2, sets)
     assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
@@ -177,4 +179,3 @@ def test_int4_memory_smoke(tmp_path):
     assert abs(s["plan_bf16_bytes"] / s["bf16_bytes"] - 1) < 0.05
     assert set(s["packed_over_bf16_tokens_per_s"]) == {"extract", "online"} and s["graphs"] is False  # CPU
     assert {"checkpoint_shape", "device", "commit", "decode_tokens_per_s", "kernels_us"} <= set(s)
-

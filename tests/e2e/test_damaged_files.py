@@ -223,8 +223,10 @@ def _each_succeeds_or_says_why(capsys, root: Path, commands: list[tuple[list[str
 @pytest.fixture
 def scratch(tmp_path):
     """A fresh folder for each Hypothesis example (the test's tmp_path is shared by all of them)."""
+
     def make() -> Path:
         return Path(tempfile.mkdtemp(dir=tmp_path))
+
     return make
 
 
@@ -326,9 +328,11 @@ KEYS = ["out", "verifier", "vocab.data", "vocab.draft_vocab_size", "vocab.count"
 def _toml(cfg: dict) -> str:
     """A small TOML writer for what the test generates (strings, numbers, booleans, lists, one level of
     tables); JSON's string and number syntax is TOML's for these."""
+
     def value(v):
         return "[" + ", ".join(map(value, v)) + "]" if isinstance(v, list) else \
             ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)  # fmt: skip
+
     top = [f"{k} = {value(v)}" for k, v in cfg.items() if not isinstance(v, dict)]
     tables = [f"[{k}]\n" + "".join(f"{kk} = {value(vv)}\n" for kk, vv in v.items())
               for k, v in cfg.items() if isinstance(v, dict)]  # fmt: skip

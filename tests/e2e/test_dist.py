@@ -77,9 +77,19 @@ DEAD_RANK = textwrap.dedent("""
 def test_dead_rank_makes_the_others_exit(tmp_path):
     port = str(_free_port())
     procs = [
-        subprocess.Popen([sys.executable, "-c", DEAD_RANK], stderr=subprocess.PIPE, text=True,
-                         env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=port, EYAS_DIST_TIMEOUT_S="30"))  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", DEAD_RANK],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                EYAS_DIST_TIMEOUT_S="30",
+            ),
+        )  # fmt: skip
         for r in range(2)
     ]
     t0 = time.time()

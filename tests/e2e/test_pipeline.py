@@ -31,7 +31,10 @@ def _config(tmp_path, verifier, body: str):
 
 def test_run_wires_every_stage(make_tiny, tmp_path):
     t = make_tiny("llama")
-    cfg = _config(tmp_path, t.path, """
+    cfg = _config(
+        tmp_path,
+        t.path,
+        """
 [prepare]
 data = "DATA"
 max_seq_len = 128
@@ -51,7 +54,8 @@ format = "eagle"
 [eval]
 prompts = "PROMPTS"
 max_new_tokens = 8
-""")
+""",
+    )
     res = run(str(cfg))
     out = tmp_path / "out"
     for d in ("prepared", "vocab", "features", "draft", "draft-eagle", "eval"):
@@ -85,7 +89,10 @@ def test_run_given_a_folder_is_one_line(tmp_path, capsys):
 
 def test_regenerate_section_feeds_prepare(make_tiny, tmp_path):
     """With a [regenerate] section, prepare reads the verifier's own answers (not the source's) by default."""
-    cfg = _config(tmp_path, make_tiny("llama").path, """
+    cfg = _config(
+        tmp_path,
+        make_tiny("llama").path,
+        """
 [regenerate]
 data = "DATA"
 max_new_tokens = 6
@@ -93,7 +100,8 @@ max_samples = 4
 [prepare]
 max_seq_len = 256
 num_proc = 1
-""")
+""",
+    )
     res = run(str(cfg))
     out = tmp_path / "out"
     assert res["prepare"]["inputs"]["data"]["source"] == f"{out / 'regenerated'} (eyas regenerate)"
@@ -115,7 +123,10 @@ def test_base_verifier_runs_with_a_chat_template_file(make_tiny, tmp_path):
 
     base = without_template(make_tiny("llama").path, tmp_path / "base")
     sha = hashlib.sha256(template.read_text().encode()).hexdigest()
-    cfg = _config(tmp_path, base, f"""
+    cfg = _config(
+        tmp_path,
+        base,
+        f"""
 [regenerate]
 data = "DATA"
 max_new_tokens = 6
@@ -136,7 +147,8 @@ val_ratio = 0.25
 prompts = "PROMPTS"
 max_new_tokens = 6
 chat_template = "{template}"
-""")
+""",
+    )
     res = run(str(cfg))
     out = tmp_path / "out"
     for stage in ("regenerated", "prepared", "features", "draft"):

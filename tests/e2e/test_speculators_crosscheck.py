@@ -33,6 +33,7 @@ from eyas.stages.export import export
 from drafts import LAYOUTS, random_draft, save
 
 from conftest import SPECULATORS_DIR
+
 WORKER = Path(__file__).parents[1] / "speculators_worker.py"
 ATOL = 1e-4
 T = 24
@@ -82,8 +83,10 @@ def assert_same_logits(spec_file: Path, ours: list[torch.Tensor]) -> None:
         assert theirs.abs().max().item() > 0.1  # not vacuous: real logits, not zeros
 
 
-@pytest.mark.parametrize(("layout", "include_embeddings"), [("eagle3", False), ("speculators_default", True),
-                                                          ("eagle31_qwen3_two_layers", False)])
+@pytest.mark.parametrize(
+    ("layout", "include_embeddings"),
+    [("eagle3", False), ("speculators_default", True), ("eagle31_qwen3_two_layers", False)],
+)
 def test_speculators_loads_eyas_checkpoint(make_tiny, tmp_path, layout, include_embeddings):
     v = make_tiny("llama").path
     m = random_draft(v, **LAYOUTS[layout])
@@ -99,7 +102,9 @@ def test_speculators_loads_eyas_checkpoint(make_tiny, tmp_path, layout, include_
     assert info["layout"] == {**{k: False for k in info["layout"]}, **flags}
     assert (info["arch"], info["num_layers"]) == (m.config.draft_arch, m.config.num_hidden_layers)
     kind = "Qwen3" if m.config.draft_arch == "qwen3" else "Llama"  # speculators' first layer, then plain ones
-    assert info["layer_classes"] == [f"{kind}DecoderEagle3FirstLayer"] + [f"{kind}DecoderLayer"] * (info["num_layers"] - 1)
+    assert info["layer_classes"] == [f"{kind}DecoderEagle3FirstLayer"] + [f"{kind}DecoderLayer"] * (
+        info["num_layers"] - 1
+    )
     assert info["aux_layer_ids"] == m.config.aux_layer_ids and info["had_embed"] == include_embeddings
     assert (info["draft_vocab_size"], info["vocab_size"]) == (m.config.draft_vocab_size, tiny.VOCAB)
     assert info["speculative_tokens"] == 3 and info["verifier"] == str(v)

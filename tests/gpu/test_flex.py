@@ -107,8 +107,9 @@ def test_gradient_checkpointing_compiled_flex_equals_stored():
         _close([got[1][name]], [ref[1][name]], f"grad {name}")
 
 
-@pytest.mark.parametrize(("mode", "layout"), [("plain", {}), ("checkpointing", {}), ("deferred", {}),
-                                             ("deferred", VARIANTS)])
+@pytest.mark.parametrize(
+    ("mode", "layout"), [("plain", {}), ("checkpointing", {}), ("deferred", {}), ("deferred", VARIANTS)]
+)
 def test_working_weights_compiled_equal_autocast(mode, layout):
     """Training's working weights (bf16 copies cast once, fp32 weight gradients accumulated by the matmuls),
     compiled, against plain autocast: the same outputs and gradients within bf16 tolerance; and both against an
@@ -180,8 +181,19 @@ def test_compiled_training_run_end_to_end(tmp_path):
 
     inp = synthetic.inputs(tmp_path, "smoke", rows=24, seq_len=256)
     out = tmp_path / "run"
-    kw = dict(verifier=str(inp["verifier"]), data=str(inp["features"]), vocab=str(inp["vocab"]), epochs=2,
-              max_seq_len=256, batch_tokens=512, val_ratio=0.1, num_workers=2, log_every=2, profile_every=3, lr=1e-3)
+    kw = dict(
+        verifier=str(inp["verifier"]),
+        data=str(inp["features"]),
+        vocab=str(inp["vocab"]),
+        epochs=2,
+        max_seq_len=256,
+        batch_tokens=512,
+        val_ratio=0.1,
+        num_workers=2,
+        log_every=2,
+        profile_every=3,
+        lr=1e-3,
+    )
     res = train(out=str(out), **kw)
     assert res["train"]["finite"] and res["tokens_per_s"] > 0 and res["peak_memory_bytes"] > 0
     assert res["ms_per_step"]["forward"] > 0

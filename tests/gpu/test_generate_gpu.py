@@ -132,4 +132,3 @@ def test_flex_attention_graphs_equal_sdpa(make_tiny):
         assert s.tokens == plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens
     assert r.base.slots.attention == r.spec.slots.attention == "flex" and r.base.graphs.enabled
     assert isinstance(r.base.slots, Slots)
-

@@ -98,7 +98,8 @@ def test_python_api_values_are_checked_as_flags_are(make_tiny, tmp_path):
 def _baseline(stage: str) -> dict[str, object]:
     """The least a section needs to pass the check (the pipeline wires data and out)."""
     return {"prepare": {"data": "sharegpt"}, "regenerate": {"data": "mt-bench"}, "eval": {"prompts": "mt-bench"}}.get(
-        stage, {})
+        stage, {}
+    )
 
 
 def _wrong(tp) -> object:

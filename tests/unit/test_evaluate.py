@@ -599,7 +599,8 @@ def test_template_warning_fires_for_an_offline_draft(make_tiny, tmp_path):
     kw = dict(draft=str(tmp_path / "draft"), prompts=[PROMPTS[0]], max_new_tokens=4)
     assert "warning" not in ev.evaluate(verifier=str(t.path), **kw)
     assert ev.evaluate(verifier=str(other), **kw)["warning"].startswith(
-        "the draft was trained on data rendered with another chat template")
+        "the draft was trained on data rendered with another chat template"
+    )
     assert "warning" not in ev.evaluate(verifier=str(other), chat_template=str(t.path), **kw)  # the draft's template
 
 
@@ -668,7 +669,9 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["num_turns"] == 2 and report["draft_tokens"] == 2 and report["lossless"] is True
     by_k = report["by_draft_tokens"]
-    assert set(by_k) == {"2", "4"} and by_k["2"]["tau"] == report["tau"] and len(by_k["4"]["acceptance_per_position"]) == 4
+    assert (
+        set(by_k) == {"2", "4"} and by_k["2"]["tau"] == report["tau"] and len(by_k["4"]["acceptance_per_position"]) == 4
+    )
     assert (tmp_path / "rep" / "accepted_lengths.png").is_file()
     assert main(["eval", "--verifier", str(t.path), "--draft", str(tmp_path / "nope"), "--prompts", str(src)]) == 2
     assert "nope" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from eyas.stages.export import MIN_RELEASE, export
 from eyas.draft.model import Eagle3Draft
 from eyas.verifier.load import load_head_tensors, resolve
 
+
 def logits(m: Eagle3Draft, ids, aux, steps=2, **kw) -> list[torch.Tensor]:
     with torch.no_grad():
         return [m.compute_logits(h) for h in m.ttt(ids, aux, ttt_steps=steps, **kw)]

@@ -117,7 +117,9 @@ def test_streamed_shard_is_standard_safetensors(tmp_path, dtype):
     masks = [torch.rand(n, generator=g) > 0.5 for n in lengths]
     states = [torch.randn(n, 4, 24, generator=g).to(dtype) for n in lengths]
     scales = [torch.rand(4, generator=g) for _ in lengths] if dtype == torch.float8_e4m3fn else None
-    entry = write_shard(tmp_path, start=10, end=14, tensors=shard_tensors(ids, masks, states, scales), layer_ids=[1, 2, 3])
+    entry = write_shard(
+        tmp_path, start=10, end=14, tensors=shard_tensors(ids, masks, states, scales), layer_ids=[1, 2, 3]
+    )
     path = tmp_path / entry["file"]
     assert entry["sha256"] == sha256_file(path) and entry["bytes"] == path.stat().st_size and entry["tokens"] == 23
     got = load_file(path)

@@ -187,7 +187,9 @@ def test_memory_follows_the_budget_not_the_prompts(make_tiny):
     short = _peak(t, [8] * 24, **kw)
     long = _peak(t, [1000] * 24 + [100_000] * 3, **kw)
     assert long["too_long"] == 3 and short["too_long"] == 0
-    assert long["kv"] == short["kv"] == 16 * 1024 * 8 * 2 * 2 * 16 * 4  # slots x positions x layers x k,v x kvh x d x fp32
+    assert (
+        long["kv"] == short["kv"] == 16 * 1024 * 8 * 2 * 2 * 16 * 4
+    )  # slots x positions x layers x k,v x kvh x d x fp32
     # a prefill's own working set: 2048 tokens of hidden states, MLP and scores of at most 2 prompts of 1024
     prefill_bound = 2048 * (64 + 128 + 4 * 1024) * 4 * 4
     assert long["growth"] <= long["kv"] + prefill_bound + (48 << 20), long

@@ -95,7 +95,9 @@ def imports(module: str) -> dict[str, int]:
 
 def test_every_module_sits_in_a_ranked_folder():
     assert [m for m in _modules() if folder(m) not in FLOORS] == [], "give each new folder a floor in FLOORS"
-    assert [f for f in FLOORS if f and not any(folder(m) == f for m in _modules())] == [], "FLOORS names a folder that is gone"
+    assert [f for f in FLOORS if f and not any(folder(m) == f for m in _modules())] == [], (
+        "FLOORS names a folder that is gone"
+    )
 
 
 def test_no_upward_or_sideways_import():

@@ -8,8 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from eyas.training.loss import (LogitScaling, TargetHead, Targets, implied_tau, scored_rows, step_masks, summarize, target_rows,
-                       ttt_loss)
+from eyas.training.loss import (
+    LogitScaling,
+    TargetHead,
+    Targets,
+    implied_tau,
+    scored_rows,
+    step_masks,
+    summarize,
+    target_rows,
+    ttt_loss,
+)
 
 
 def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
@@ -65,7 +74,7 @@ def test_fused_loss_equals_reference_value_and_grads(drop):
     scale = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
     # make some draft argmaxes right so that accuracy and conditional accuracy are not trivially zero
     with torch.no_grad():
-        normed[0][:10] = (W[tlogits[1:11].argmax(-1)] * 5)
+        normed[0][:10] = W[tlogits[1:11].argmax(-1)] * 5
 
     ref_stats, _, ref_loss = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, chunk_tokens=5)
     assert ref_stats[0, 3] > 0 and ref_stats[0, 4] > 0  # the accuracy path was exercised

@@ -18,8 +18,13 @@ VARIANTS = {
     "norm_output": {"norm_output": True},
     "qwen3": {"draft_arch": "qwen3"},
     "two_layers": {"num_hidden_layers": 2},
-    "all": {"norm_before_residual": True, "fc_norm": True, "norm_output": True, "draft_arch": "qwen3",
-            "num_hidden_layers": 3},
+    "all": {
+        "norm_before_residual": True,
+        "fc_norm": True,
+        "norm_output": True,
+        "draft_arch": "qwen3",
+        "num_hidden_layers": 3,
+    },
 }
 
 
@@ -175,7 +180,9 @@ def test_ttt_reads_embeddings_looked_up_elsewhere(ckpt):
         embeds = model.embed_tokens.weight.detach()[torch.nn.functional.pad(ids, (0, steps))] if looked_up else None
         outs = model.ttt(ids, aux, ttt_steps=steps, doc_ids=doc_ids, inputs_embeds=embeds)
         sum((k + 1) * model.compute_logits(o).logsumexp(-1).mean() for k, o in enumerate(outs)).backward()
-        results.append(([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            ([o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        )
     for a, b in zip(results[0][0], results[1][0]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name, g in results[0][1].items():
@@ -293,7 +300,9 @@ def test_flex_in_the_compiled_layer_equals_sdpa_on_cpu():
     ids, aux = torch.randint(0, V, (B, T)), torch.randn(B, T, 3 * H)
     sdpa, flex = _draft(seed=13).float(), _draft(seed=13, impl="flex").float()
     compile_draft(flex)
-    for i, doc in enumerate([torch.tensor([[0] * 12 + [1] * 20, [0] * 28 + [-1] * 4]), torch.zeros(B, T, dtype=torch.long)]):
+    for i, doc in enumerate(
+        [torch.tensor([[0] * 12 + [1] * 20, [0] * 28 + [-1] * 4]), torch.zeros(B, T, dtype=torch.long)]
+    ):
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=i > 0):
             want = sdpa.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
             got = flex.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)

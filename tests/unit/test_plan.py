@@ -118,8 +118,13 @@ def test_offline_when_the_features_fit_and_a_serving_engine_when_the_verifier_do
     small = plan(str(KIMI), tokens=10_000_000, gpus=8, gpu_memory=141, disk=1000, json_out=True)
     assert small["mode"] == "offline" and small["feature_bytes"]["fp8"] == 10_000_000 * 28_672 <= 1e12
     assert small["feature_dtype"] == "bf16"  # 0.57 TB in bf16 fits the 1 TB disk
-    extract_tps = min(MEASURED["verifier_flop_per_s"] / (2 * ACTIVE) / MEASURED["packed_forward_slowdown"]
-                      * MEASURED["extract_fraction"], MEASURED["disk_bytes_per_s"] / 57_344)  # the slower of the two
+    extract_tps = min(
+        MEASURED["verifier_flop_per_s"]
+        / (2 * ACTIVE)
+        / MEASURED["packed_forward_slowdown"]
+        * MEASURED["extract_fraction"],
+        MEASURED["disk_bytes_per_s"] / 57_344,
+    )  # the slower of the two
     train_tps = MEASURED["draft_tokens_per_s"] * 8 * MEASURED["ddp_efficiency"]  # DDP over the eight GPUs
     assert small["gpu_hours"]["verifier"] == pytest.approx(5 * 1e7 / extract_tps / 3600, abs=0.1)
     assert small["gpu_hours"]["draft"] == pytest.approx(8 * 1e7 / train_tps / 3600, abs=0.1)

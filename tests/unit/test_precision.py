@@ -241,7 +241,10 @@ def test_fused_adamw_kernel_equals_torch_adamw_and_writes_the_working_copies(mon
     if importlib.util.find_spec("triton") is None:
         if not TRITON_DIR.is_dir():
             pytest.skip(f"Triton is not installed ({TRITON_DIR}: `make setup` puts it there)")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON_DIR), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON_DIR), os.environ.get("PYTHONPATH")])),
+        }
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
                            cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]

@@ -257,7 +257,6 @@ def test_base_verifier_answers_through_a_chat_template_file(make_tiny, source, t
     assert m["chat_template"] == str(COMPLETION) and m["outputs"]["conversations"] > 0
 
 
-
 def test_loop_policy_keeps_trims_or_drops_an_answer_cut_in_a_loop(smollm2_path):
     """An answer cut at the limit that ends repeating one line: kept whole, trimmed to the text before the loop
     and one copy of it, or dropped; each counted. An answer with no loop is left as it is."""

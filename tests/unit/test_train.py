@@ -338,8 +338,9 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
     from eyas.core.manifest import sha256_file
 
     m = json.loads((feats / "manifest.json").read_text())
-    next(e for e in m["outputs"]["shards"] if e["file"] == shard.name).update(sha256=sha256_file(shard),
-                                                                             bytes=shard.stat().st_size)
+    next(e for e in m["outputs"]["shards"] if e["file"] == shard.name).update(
+        sha256=sha256_file(shard), bytes=shard.stat().st_size
+    )
     (feats / "manifest.json").write_text(json.dumps(m))
     out = tmp_path / "run"
     with pytest.raises(EyasError, match="nan/inf"):

@@ -116,9 +116,11 @@ def test_a_chat_template_file_that_fails_names_its_line(made, tmp_path, capsys, 
     t = tmp_path / "t.jinja"
     t.write_text(template)
     v = ["--verifier", made.verifier, "--chat-template", str(t)]
-    for argv in (["prepare", *v, "--data", str(made.conversations), "--out", str(tmp_path / "p"), "--num-proc", "1"],
-                 ["regenerate", *v, "--data", str(made.conversations), "--out", str(tmp_path / "r")],
-                 ["eval", *v, "--draft", "random", "--prompts", str(made.conversations), "--max-new-tokens", "2"]):
+    for argv in (
+        ["prepare", *v, "--data", str(made.conversations), "--out", str(tmp_path / "p"), "--num-proc", "1"],
+        ["regenerate", *v, "--data", str(made.conversations), "--out", str(tmp_path / "r")],
+        ["eval", *v, "--draft", "random", "--prompts", str(made.conversations), "--max-new-tokens", "2"],
+    ):
         refused(capsys, argv, f"--chat-template {t}, line {line}", said, alone=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jinja"]
 
@@ -235,7 +237,9 @@ def test_config_without_a_verifier(made, tmp_path, capsys):
 
 def test_config_numbers_are_normalised(made, tmp_path):
     """An int where a float belongs is taken (TOML's `lr = 1` is 1.0); the plan holds the checked values."""
-    cfg = _config(tmp_path, made, f'[prepare]\ndata = "{made.conversations}"\n[train]\nonline = true\nlr = 1\nepochs = 2\n')
+    cfg = _config(
+        tmp_path, made, f'[prepare]\ndata = "{made.conversations}"\n[train]\nonline = true\nlr = 1\nepochs = 2\n'
+    )
     _, _, plan = check(str(cfg))
     train = dict((n, c) for n, _, c in plan)["train"]
     assert train.lr == 1.0 and isinstance(train.lr, float) and train.epochs == 2

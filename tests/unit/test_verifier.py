@@ -196,7 +196,9 @@ def test_embedding_shape_disagrees_with_config(make_tiny, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["vocab_size"] = 1000
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(EyasError, match=r"embedding 'model.embed_tokens.weight' in model.safetensors has shape \[512, 64\]"):
+    with pytest.raises(
+        EyasError, match=r"embedding 'model.embed_tokens.weight' in model.safetensors has shape \[512, 64\]"
+    ):
         resolve(d)
 
 

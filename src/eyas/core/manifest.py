@@ -240,8 +240,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "regenerate": ("conversations.jsonl", ".parts"),
     "vocab": ("d2t.npy", "t2d.npy"),
     "extract": ("rows_*.safetensors", ".progress-*.json"),
-    "train": ("config.json", "model.safetensors", "checkpoints", "metrics.jsonl", "training_curves.png",
-              "tensorboard"),
+    "train": ("config.json", "model.safetensors", "checkpoints", "metrics.jsonl", "training_curves.png", "tensorboard"),
     "export": ("config.json", "model.safetensors"),
 }
 #: What a new folder may hold and still count as empty: the lock and mark of a run, temporaries a killed write left.

@@ -101,8 +101,11 @@ def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str]
     if unknown:
         raise EyasError(f"{at}{label(unknown[0])} is not an argument of `eyas {config.stage}`; it takes "
                         f"{', '.join(sorted(fields))}")  # fmt: skip
-    missing = [k for k, f in fields.items()
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and k not in args]
+    missing = [
+        k
+        for k, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and k not in args
+    ]
     if missing:
         raise EyasError(f"{at}`eyas {config.stage}` needs a value for {label(missing[0])}")
     values = check_values(config, args, label=lambda n: f"{at}{label(n)}")

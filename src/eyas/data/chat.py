@@ -99,8 +99,8 @@ class ChatTemplate:
                 at = next((i for i, (x, y) in enumerate(zip(prompt, text)) if x != y), min(len(prompt), len(text)))
                 raise TemplateSplitError(
                     f"the prompt for message {m} (rendered alone with the generation prompt) is not how the full "
-                    f"conversation begins: they differ at character {at} ({prompt[at:at + 40]!r} vs "
-                    f"{text[at:at + 40]!r})"
+                    f"conversation begins: they differ at character {at} ({prompt[at : at + 40]!r} vs "
+                    f"{text[at : at + 40]!r})"
                 )
             a = len(prompt)
             b = text.find(self.eot, a)

@@ -325,8 +325,10 @@ def _text(content: Any) -> str | None:
     """A turn's text: a string, or OpenAI content parts that are all text (joined). None otherwise."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    if (
+        isinstance(content, list)
+        and content
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
     ):
         return "".join(p["text"] for p in content)
     return None

@@ -506,11 +506,13 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
             len_col.append(len(ids))
         ds = datasets.Dataset.from_dict(
             {"input_ids": ids_col, "loss_mask": mask_col, "seq_len": len_col},
-            features=datasets.Features({
-                "input_ids": datasets.Sequence(datasets.Value("int64")),
-                "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                "seq_len": datasets.Value("int64"),
-            }),  # fmt: skip
+            features=datasets.Features(
+                {
+                    "input_ids": datasets.Sequence(datasets.Value("int64")),
+                    "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                    "seq_len": datasets.Value("int64"),
+                }
+            ),  # fmt: skip
         )
         ds.set_format("torch")
         ds.save_to_disk(str(tmp))

@@ -97,8 +97,12 @@ def config_dict(cfg: DraftConfig, *, verifier_name_or_path: str, verifier_archit
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": int(ttt_steps),
-                 "verifier_accept_k": 1, "accept_tolerance": 0.0},  # fmt: skip
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(ttt_steps),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                },  # fmt: skip
             ],
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
         },
@@ -133,8 +137,9 @@ def draft_config_from_dict(d: dict[str, Any], *, where: str = CONFIG) -> DraftCo
         if layer.get("rope_scaling"):
             rope.update(layer["rope_scaling"])
             rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
-    aux = check_aux_layer_ids(d.get("eagle_aux_hidden_state_layer_ids"),
-                              what=f"{where}: eagle_aux_hidden_state_layer_ids")
+    aux = check_aux_layer_ids(
+        d.get("eagle_aux_hidden_state_layer_ids"), what=f"{where}: eagle_aux_hidden_state_layer_ids"
+    )
     try:
         return DraftConfig(
             hidden_size=int(layer["hidden_size"]),

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from eyas import __version__
-from eyas.draft.checkpoint import CONFIG, Draft, check_tensors, decoder_layer_config, draft_config_from_dict, draft_files
+from eyas.draft.checkpoint import (
+    CONFIG,
+    Draft,
+    check_tensors,
+    decoder_layer_config,
+    draft_config_from_dict,
+    draft_files,
+)
 from eyas.core.errors import EyasError
 from eyas.core.manifest import read_json
 from eyas.draft.model import DraftConfig

@@ -211,13 +211,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(dtype) * x.to(dtype)
 
+
 # --------------------------------------------------------------------------- modules
 
 
 class Eagle3Attention(nn.Module):
     def __init__(self, cfg: DraftConfig, *, in_features: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # EAGLE-3: the first layer's q/k/v read [embeddings, hidden] concatenated, hence 2H inputs there.
         self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)

@@ -63,7 +63,6 @@ class RowSource(Protocol):
     def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
 
-
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
     """Positions of non-empty rows in batches: longest first, each batch padded to its first row's length and
     holding as many rows as fit in ``batch_tokens`` (a longer row runs alone)."""
@@ -75,7 +74,6 @@ def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
         else:
             batches.append([i])
     return batches
-
 
 
 # --------------------------------------------------------------------------- capture

@@ -137,8 +137,9 @@ class SequenceDecoder:
                 self._pos[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
             self._ids[T].copy_(input_ids[None])
             self._pos[T].copy_(torch.arange(start, start + T, device=self.device)[None])
-            logits, aux = self.graphs.run((T, slots.keys),
-                                          self._engage(lambda: self._forward(self._ids[T], self._pos[T], 0)))
+            logits, aux = self.graphs.run(
+                (T, slots.keys), self._engage(lambda: self._forward(self._ids[T], self._pos[T], 0))
+            )
             # graph outputs live in its pool and the next replay overwrites them: copy what the caller keeps
             return logits.float(), None if aux is None else aux.clone()
         pos = torch.arange(start, start + T, device=self.device)[None]

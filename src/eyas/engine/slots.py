@@ -153,8 +153,12 @@ class Slots:
             extra = {}
             if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
                 extra["compute_q_blocks"] = False  # only a backward pass reads them
-            self._masks[key] = (BlockMask.from_kv_blocks(live[:, None, None], table, BLOCK_SIZE=FLEX_BLOCK,
-                                                         mask_mod=mask_mod, seq_lengths=(T, n), **extra), n)
+            self._masks[key] = (
+                BlockMask.from_kv_blocks(
+                    live[:, None, None], table, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, n), **extra
+                ),
+                n,
+            )
         return self._masks[key]
 
 
@@ -221,8 +225,9 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
     # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
     q = query.reshape(S, kvh, G * T, -1)
-    out = _sdpa(q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling,
-                softcap=softcap)  # [S, kvh, G*T, dv]
+    out = _sdpa(
+        q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling, softcap=softcap
+    )  # [S, kvh, G*T, dv]
     return out.reshape(S, H, T, -1).transpose(1, 2), None
 
 

@@ -210,8 +210,13 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
                         m.spec[K].mismatches.append({
                             "prompt": p.id, "turn": ti, "turn_index": len(m.turn_ids) - 1, "first_difference": first,
                             **_divergence(runners.base.model, ids, base.tokens, toks, first)})  # fmt: skip
-            answers.append(tokenizer.decode([t for t in answer if t not in eos_ids], skip_special_tokens=True,
-                                            clean_up_tokenization_spaces=False))  # (5.17 warns otherwise)
+            answers.append(
+                tokenizer.decode(
+                    [t for t in answer if t not in eos_ids],
+                    skip_special_tokens=True,
+                    clean_up_tokenization_spaces=False,
+                )
+            )  # (5.17 warns otherwise)
             m.turns += 1
             bar.update(1)
             bar.set_postfix({f"tau@{K}": f"{sum(m.spec[K].produced) / max(len(m.spec[K].produced), 1):.2f}"

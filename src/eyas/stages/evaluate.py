@@ -90,44 +90,69 @@ class EvalConfig(StageConfig):
     stage: ClassVar[str] = "eval"
 
     verifier: str = option(help="the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).")
-    draft: str = option(help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
-                             "'random' for an untrained draft (the floor of acceptance).")
-    prompts: str | list[Any] = option(help="'mt-bench', 'humaneval', or a local JSON/JSONL/parquet file of prompts "
-                                           "or conversations (in Python or a config, also a list of prompts: strings, "
-                                           "lists of turns, or records with turns).")
-    out: str | None = option(None, help="where to write the report: a .json path (the histogram PNG goes beside it) "
-                                        "or a directory.")
+    draft: str = option(
+        help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
+        "'random' for an untrained draft (the floor of acceptance)."
+    )
+    prompts: str | list[Any] = option(
+        help="'mt-bench', 'humaneval', or a local JSON/JSONL/parquet file of prompts "
+        "or conversations (in Python or a config, also a list of prompts: strings, "
+        "lists of turns, or records with turns)."
+    )
+    out: str | None = option(
+        None, help="where to write the report: a .json path (the histogram PNG goes beside it) or a directory."
+    )
     num_prompts: int | None = option(None, help="evaluate this many prompts (a seeded sample); default all.")
-    max_new_tokens: int = option(256, help="new tokens per turn at most (decoding also stops at the end-of-turn "
-                                           "token).")
-    draft_tokens: list[int] = option([3], help="K, the draft tokens proposed per round; several (3,5,7) are each "
-                                               "measured on the same turns (the report's top-level figures are the "
-                                               "first K's, every K's under by_draft_tokens).")
+    max_new_tokens: int = option(
+        256, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
+    )
+    draft_tokens: list[int] = option(
+        [3],
+        help="K, the draft tokens proposed per round; several (3,5,7) are each "
+        "measured on the same turns (the report's top-level figures are the "
+        "first K's, every K's under by_draft_tokens).",
+    )
     temperature: float = option(0.0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature.")
     seed: int = option(0, help="seeds the prompt sample and all sampling.")
-    offline: str | None = option(None, help="an `eyas extract` features dir: also predict tau from the draft's "
-                                            "per-step conditional accuracy on those features: the validation rows "
-                                            "train held out when they are the features (or prepared rows) the draft "
-                                            "trained on, else their first --offline-rows rows; the report says which.")
+    offline: str | None = option(
+        None,
+        help="an `eyas extract` features dir: also predict tau from the draft's "
+        "per-step conditional accuracy on those features: the validation rows "
+        "train held out when they are the features (or prepared rows) the draft "
+        "trained on, else their first --offline-rows rows; the report says which.",
+    )
     offline_rows: int = option(256, help="rows of --offline features to use at most.")
     device: str | None = option(None, help="cuda or cpu (default: cuda when available).")
     dtype: str = option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")
-    cuda_graphs: bool = option(True, help="on CUDA, record every fixed-shape decoding forward (plain step, "
-                                          "verification, draft steps) once as a CUDA graph and replay it, for both "
-                                          "loops alike.")
-    compile: bool = option(True, help="with CUDA graphs, compile the verifier's decoder layers (torch.compile, one "
-                                      "layer's worth of compiling) for the recorded forwards of both loops alike: "
-                                      "fewer, fused kernels a step.")
+    cuda_graphs: bool = option(
+        True,
+        help="on CUDA, record every fixed-shape decoding forward (plain step, "
+        "verification, draft steps) once as a CUDA graph and replay it, for both "
+        "loops alike.",
+    )
+    compile: bool = option(
+        True,
+        help="with CUDA graphs, compile the verifier's decoder layers (torch.compile, one "
+        "layer's worth of compiling) for the recorded forwards of both loops alike: "
+        "fewer, fused kernels a step.",
+    )
     baseline: bool = option(True, help="also run plain decoding (needed for the lossless check and the speedup).")
-    recheck_fp32: bool = option(False, help="decode every turn whose speculative output differs from plain greedy "
-                                            "decoding again in fp32, to tell near-ties of the compute dtype from real "
-                                            "differences.")
-    trust_remote_code: bool = option(False, help="allow the verifier's tokenizer to run checkpoint code (never on by "
-                                                 "default).")
-    chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "
-                                                  "(a base model has none): a Jinja file, or a checkpoint (dir, "
-                                                  ".gguf, hub id) whose template to use; the one the draft's data was "
-                                                  "prepared with.")
+    recheck_fp32: bool = option(
+        False,
+        help="decode every turn whose speculative output differs from plain greedy "
+        "decoding again in fp32, to tell near-ties of the compute dtype from real "
+        "differences.",
+    )
+    trust_remote_code: bool = option(
+        False, help="allow the verifier's tokenizer to run checkpoint code (never on by default)."
+    )
+    chat_template: str | None = option(
+        None,
+        help="render prompts with this template instead of the tokenizer's own "
+        "(a base model has none): a Jinja file, or a checkpoint (dir, "
+        ".gguf, hub id) whose template to use; the one the draft's data was "
+        "prepared with.",
+    )
 
 
 def run(c: EvalConfig) -> dict[str, Any]:
@@ -272,9 +297,14 @@ def _print_report(r: dict[str, Any]) -> None:
         ("tau (tokens per verifier forward)", f"{r['tau']:.3f}  over {r['rounds']} rounds"),
     ]  # fmt: skip
     if "predicted_tau" in r:
-        rows.append(("tau predicted offline", f"{r['predicted_tau']:.3f} pooled over positions, "
-                                              f"{r['predicted_tau_walk']:.3f} walking the turns as decoding does  "
-                                              f"(measured {r['tau']:.3f})"))
+        rows.append(
+            (
+                "tau predicted offline",
+                f"{r['predicted_tau']:.3f} pooled over positions, "
+                f"{r['predicted_tau_walk']:.3f} walking the turns as decoding does  "
+                f"(measured {r['tau']:.3f})",
+            )
+        )
         off = r["offline"]
         rows.append(("offline rows", f"{off['rows']} rows of {off['features']}: {off['rows_note']}"))
     rows += [

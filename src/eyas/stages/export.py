@@ -80,6 +80,7 @@ MIN_RELEASE: dict[str, dict[str, str | None]] = {
     },
 }
 
+
 @dataclass(kw_only=True, frozen=True)
 class ExportConfig(StageConfig):
     """Write a draft in the layout vLLM (speculators) or SGLang (EAGLE) loads as is, or import one.
@@ -90,29 +91,47 @@ class ExportConfig(StageConfig):
 
     stage: ClassVar[str] = "export"
 
-    draft: str = option(positional=True, aliases=(), help="the draft checkpoint directory to read (eyas/speculators "
-                                                          "layout unless --from says otherwise).")
+    draft: str = option(
+        positional=True,
+        aliases=(),
+        help="the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).",
+    )
     out: str = option(help="the directory to write.")
     format: Literal["speculators", "eagle"] = option(
-        "speculators", help="the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE).")
+        "speculators", help="the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE)."
+    )
     from_format: Literal["speculators", "eagle"] | None = option(
-        None, aliases=("--from",), help="read the draft as an 'eagle' checkpoint (EAGLE, SpecForge, SGLang: "
+        None,
+        aliases=("--from",),
+        help="read the draft as an 'eagle' checkpoint (EAGLE, SpecForge, SGLang: "
         "midlayer.* or layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves "
-        "it); default: the native layout, which is speculators'.")
-    verifier: str | None = option(None, help="the verifier checkpoint the draft is for: checked against the draft, "
-                                             "and the source of the default aux layers for an EAGLE draft whose "
-                                             "config names none, and of the embedding for --include-embeddings.")
-    verifier_name: str | None = option(None, help="the verifier's hub id to record in "
-                                                  "speculators_config.verifier.name_or_path (`vllm serve DRAFT` needs "
-                                                  "a hub id, not a local path); default: what the draft records, else "
-                                                  "--verifier.")
-    speculative_tokens: int | None = option(None, help="tokens to draft per step, recorded for vLLM; default: what "
-                                                       "the draft records, else 3.")
-    include_embeddings: bool = option(False, help="also write embed_tokens.weight (vLLM and SGLang use the "
-                                                  "verifier's; speculators 0.9 needs it to fine-tune reliably, see "
-                                                  "docs/FORMATS.md).")
+        "it); default: the native layout, which is speculators'.",
+    )
+    verifier: str | None = option(
+        None,
+        help="the verifier checkpoint the draft is for: checked against the draft, "
+        "and the source of the default aux layers for an EAGLE draft whose "
+        "config names none, and of the embedding for --include-embeddings.",
+    )
+    verifier_name: str | None = option(
+        None,
+        help="the verifier's hub id to record in "
+        "speculators_config.verifier.name_or_path (`vllm serve DRAFT` needs "
+        "a hub id, not a local path); default: what the draft records, else "
+        "--verifier.",
+    )
+    speculative_tokens: int | None = option(
+        None, help="tokens to draft per step, recorded for vLLM; default: what the draft records, else 3."
+    )
+    include_embeddings: bool = option(
+        False,
+        help="also write embed_tokens.weight (vLLM and SGLang use the "
+        "verifier's; speculators 0.9 needs it to fine-tune reliably, see "
+        "docs/FORMATS.md).",
+    )
     dtype: Literal["bfloat16", "float16", "float32"] = option(
-        "bfloat16", help="the dtype of the floating-point weights written.")
+        "bfloat16", help="the dtype of the floating-point weights written."
+    )
 
 
 def run(c: ExportConfig) -> dict[str, Any]:
@@ -196,8 +215,12 @@ def check_verifier(cfg: DraftConfig, info: Any, *, where: str) -> None:
         raise EyasError(f"{where}: fc.weight reads aux states of hidden size {target_hidden} (hidden_size/"
                         f"target_hidden_size) but the verifier {info.path} has hidden size {info.hidden_size}: "
                         "this draft was made for another verifier")  # fmt: skip
-    check_aux_layer_ids(cfg.aux_layer_ids, info.num_hidden_layers, final=True,
-                        what=f"{where}: eagle_aux_hidden_state_layer_ids (for the verifier {info.path})")
+    check_aux_layer_ids(
+        cfg.aux_layer_ids,
+        info.num_hidden_layers,
+        final=True,
+        what=f"{where}: eagle_aux_hidden_state_layer_ids (for the verifier {info.path})",
+    )
 
 
 def _check_recorded_verifier(d: Draft, src: Path, *, where: str) -> None:
@@ -352,9 +375,14 @@ def _describe(dst: Path, cfg: DraftConfig, *, format: str) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "speculative_tokens": back.ttt_steps,
         "verifier_name_or_path": back.verifier_name,
-        "layout": {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-                   "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "draft_arch": cfg.draft_arch,
-                   "num_hidden_layers": cfg.num_hidden_layers},  # fmt: skip
+        "layout": {
+            "norm_before_residual": cfg.norm_before_residual,
+            "norm_before_fc": cfg.norm_before_fc,
+            "fc_norm": cfg.fc_norm,
+            "norm_output": cfg.norm_output,
+            "draft_arch": cfg.draft_arch,
+            "num_hidden_layers": cfg.num_hidden_layers,
+        },  # fmt: skip
         # the oldest engine release that serves the draft as trained (an older one may run other numerics)
         "requires": engine_requirement(cfg, "vLLM" if format == "speculators" else "SGLang", where=str(dst)),
     }

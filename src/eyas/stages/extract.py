@@ -164,26 +164,35 @@ class ExtractConfig(StageConfig):
 
     stage: ClassVar[str] = "extract"
 
-    verifier: str | None = option(None, help="the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must "
-                                             "be for it.")
+    verifier: str | None = option(
+        None, help="the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must be for it."
+    )
     data: str | None = option(None, help="a directory written by `eyas prepare`.")
     out: str | None = option(None, help="the output directory for the feature shards.")
-    layers: list[int] | None = option(None, help="three aux layer ids (id i = the state entering decoder layer i); "
-                                                 "default [2, L//2, L-3].")
-    batch_tokens: int | None = option(None, help="tokens per forward, padding included (default 32768 on CUDA, 8192 "
-                                                 "on CPU).")
+    layers: list[int] | None = option(
+        None, help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3]."
+    )
+    batch_tokens: int | None = option(
+        None, help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU)."
+    )
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = option(
-        "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes).")
-    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun "
-                                           "each rank takes its own GPU.")
+        "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes)."
+    )
+    device: str | None = option(
+        None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU."
+    )
     device_map: str | dict[str, Any] | None = option(
-        None, help="'auto' spreads a verifier larger than one GPU over all of them (one process only; a dict in "
-        "Python places each module itself).")
+        None,
+        help="'auto' spreads a verifier larger than one GPU over all of them (one process only; a dict in "
+        "Python places each module itself).",
+    )
     shard_tokens: int | None = option(None, help="tokens per shard (default: shards of at most 1 GiB).")
-    speculators_out: str | None = option(None, help="also write the features in speculators' offline layout to this "
-                                                    "directory.")
-    verify: str | None = option(None, help="check the shards of this finished output against its manifest (hashes) "
-                                           "and exit.")
+    speculators_out: str | None = option(
+        None, help="also write the features in speculators' offline layout to this directory."
+    )
+    verify: str | None = option(
+        None, help="check the shards of this finished output against its manifest (hashes) and exit."
+    )
 
     def check(self) -> None:
         from eyas.verifier.info import check_aux_layer_ids

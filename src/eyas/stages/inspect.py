@@ -19,9 +19,13 @@ class InspectConfig(StageConfig):
 
     stage: ClassVar[str] = "inspect"
 
-    verifier: str = option(positional=True, aliases=(), help="a checkpoint directory, a .gguf file, 'smollm2' (the "
-                                                             "demo verifier) or a hub id (positional, or --verifier "
-                                                             "as in every other stage).")
+    verifier: str = option(
+        positional=True,
+        aliases=(),
+        help="a checkpoint directory, a .gguf file, 'smollm2' (the "
+        "demo verifier) or a hub id (positional, or --verifier "
+        "as in every other stage).",
+    )
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
 
@@ -35,7 +39,10 @@ def run(c: InspectConfig) -> dict[str, Any]:
         return summary
     rows = [
         ("path", info.path),
-        ("model_type", info.model_type + (f"  (text model under '{info.text_config_key}')" if info.text_config_key else "")),
+        (
+            "model_type",
+            info.model_type + (f"  (text model under '{info.text_config_key}')" if info.text_config_key else ""),
+        ),
         ("text model_type", info.text_model_type),
         ("hidden_size", info.hidden_size),
         ("num_hidden_layers", info.num_hidden_layers),

@@ -302,8 +302,10 @@ def choose_mode(*, tokens: int, feature_bytes: dict[str, int], disk_bytes: int, 
     why = (f"the features of {tokens:,} tokens would take {fp8} even in fp8, more than the {tb(disk_bytes)} disk: "
            "the verifier computes them in the training loop, every epoch")  # fmt: skip
     if needed > 1:
-        why += (f"; spread over {needed} GPUs by a device_map its layers run one GPU at a time, so at this size a "
-                "tensor-parallel serving engine is the faster source of hidden states (docs/SCALING.md)")
+        why += (
+            f"; spread over {needed} GPUs by a device_map its layers run one GPU at a time, so at this size a "
+            "tensor-parallel serving engine is the faster source of hidden states (docs/SCALING.md)"
+        )
     return "online", why
 
 
@@ -335,8 +337,12 @@ def estimate_cost(mem: dict[str, Any], *, mode: str, tokens: int, epochs: int, g
         train_h = epochs * tokens / draft_tps / 3600
         hours = {"verifier": verifier_h * verifier_gpus, "draft": train_h * verifier_gpus}
     hours = {k: round(v, 1) for k, v in hours.items()}
-    return {"verifier_tokens_per_s": round(verifier_tps), "draft_tokens_per_s": round(draft_tps),
-            "wall_hours": round(verifier_h + train_h, 1), "gpu_hours": hours | {"total": round(sum(hours.values()), 1)}}
+    return {
+        "verifier_tokens_per_s": round(verifier_tps),
+        "draft_tokens_per_s": round(draft_tps),
+        "wall_hours": round(verifier_h + train_h, 1),
+        "gpu_hours": hours | {"total": round(sum(hours.values()), 1)},
+    }
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -347,14 +353,18 @@ class PlanConfig(StageConfig):
 
     stage: ClassVar[str] = "plan"
 
-    verifier: str = option(positional=True, aliases=(), help="a checkpoint directory (config.json is enough; "
-                                                             "positional, or --verifier as in every other stage).")
+    verifier: str = option(
+        positional=True,
+        aliases=(),
+        help="a checkpoint directory (config.json is enough; positional, or --verifier as in every other stage).",
+    )
     tokens: int = option(help="training tokens (the prepared rows' tokens).")
     gpus: int = option(8, help="GPUs on the machine.")
     gpu_memory: float = option(141.0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
     epochs: int = option(1, help="passes over the tokens.")
-    disk: float | None = option(None, help="disk for features in GB (default: the free space of the current "
-                                           "directory).")
+    disk: float | None = option(
+        None, help="disk for features in GB (default: the free space of the current directory)."
+    )
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
 
@@ -377,8 +387,15 @@ def run(c: PlanConfig) -> dict[str, Any]:
     mode, why = choose_mode(tokens=tokens, feature_bytes=feature_bytes, disk_bytes=disk_bytes, needed=needed,
                             gpus=gpus, gpu_memory=gpu_memory)  # fmt: skip
     feature_dtype = "bf16" if feature_bytes["bf16"] <= disk_bytes else "fp8"  # offline: eyas extract --dtype
-    cost = estimate_cost(mem, mode=mode, tokens=tokens, epochs=epochs, gpus=gpus,
-                         verifier_gpus=needed if fits else gpus, feature_bytes_per_token=per_token[feature_dtype])
+    cost = estimate_cost(
+        mem,
+        mode=mode,
+        tokens=tokens,
+        epochs=epochs,
+        gpus=gpus,
+        verifier_gpus=needed if fits else gpus,
+        feature_bytes_per_token=per_token[feature_dtype],
+    )
     out = {
         **{k: mem[k] for k in ("path", "text_model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                 "quantization", "source", "parameters", "active_backbone_parameters")},

@@ -57,18 +57,28 @@ class PromptsConfig(StageConfig):
     top_p: float = option(0.95, help="nucleus sampling: only the most likely tokens holding this probability.")
     max_new_tokens: int = option(256, help="the longest prompt in tokens; a sample cut there is refused.")
     min_words: int = option(3, help="refuse prompts of fewer words.")
-    system: str | None = option(None, help="a system message to render before the user turn (default: none, so the "
-                                           "template's own default, if it has one, is used).")
-    max_attempts: int | None = option(None, help="stop after this many samples even if fewer prompts were kept "
-                                                 "(default: 4 x --num-prompts).")
+    system: str | None = option(
+        None,
+        help="a system message to render before the user turn (default: none, so the "
+        "template's own default, if it has one, is used).",
+    )
+    max_attempts: int | None = option(
+        None, help="stop after this many samples even if fewer prompts were kept (default: 4 x --num-prompts)."
+    )
     seed: int = option(0, help="the sampling seed (each sample is seeded by its index: a rerun writes the same).")
-    batch_tokens: int | None = option(None, help="the decoding budget in tokens of key/value cache (default: 40% of "
-                                                 "the free GPU memory; 16k tokens on CPU).")
+    batch_tokens: int | None = option(
+        None,
+        help="the decoding budget in tokens of key/value cache (default: 40% of "
+        "the free GPU memory; 16k tokens on CPU).",
+    )
     device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
     dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
     trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
-    chat_template: str | None = option(None, help="render with this template instead of the tokenizer's own: a Jinja "
-                                                  "file, or a checkpoint whose template to use.")
+    chat_template: str | None = option(
+        None,
+        help="render with this template instead of the tokenizer's own: a Jinja "
+        "file, or a checkpoint whose template to use.",
+    )
 
     def check(self) -> None:
         if not 0 < self.top_p <= 1:

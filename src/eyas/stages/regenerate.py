@@ -58,61 +58,94 @@ class RegenerateConfig(StageConfig):
 
     stage: ClassVar[str] = "regenerate"
 
-    verifier: str = option(help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through "
-                                "its own chat template.")
-    data: str = option(help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
-                            "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
-                            "comma-separated: sharegpt,runs/x/prompts.")
+    verifier: str = option(
+        help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through its own chat template."
+    )
+    data: str = option(
+        help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
+        "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
+        "comma-separated: sharegpt,runs/x/prompts."
+    )
     out: str = option(help="the output directory.")
-    max_new_tokens: int = option(1024, help="the most tokens one answer may have; an answer cut there ends its "
-                                            "conversation.")
-    max_seq_len: int = option(2048, help="the longest conversation in tokens: a turn whose prompt plus "
-                                         "--max-new-tokens would pass it is not answered and ends the conversation "
-                                         "(train on at most this many tokens: prepare's and train's --max-seq-len).")
+    max_new_tokens: int = option(
+        1024, help="the most tokens one answer may have; an answer cut there ends its conversation."
+    )
+    max_seq_len: int = option(
+        2048,
+        help="the longest conversation in tokens: a turn whose prompt plus "
+        "--max-new-tokens would pass it is not answered and ends the conversation "
+        "(train on at most this many tokens: prepare's and train's --max-seq-len).",
+    )
     max_samples: int | None = option(None, help="answer a seeded random sample of this many prompts.")
     max_turns: int | None = option(None, help="answer at most this many user turns of each prompt (default: all).")
-    temperature: float = option(0.0, help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
-                                          "rerun writes the same answers whatever else shares the batch).")
+    temperature: float = option(
+        0.0,
+        help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
+        "rerun writes the same answers whatever else shares the batch).",
+    )
     loops: Literal["keep", "trim", "drop"] = option(
-        "trim", help="what to do with an answer cut at --max-new-tokens that ends in a repetition loop: keep it, trim "
+        "trim",
+        help="what to do with an answer cut at --max-new-tokens that ends in a repetition loop: keep it, trim "
         "it to the text before the loop and its first copy, or drop the answer (and the conversation's later "
         "turns). The manifest counts loops either way. Trim by default: greedy SmolLM2's loop tails were 49% of its "
         "new tokens, and trimmed they stop flattering validation tau (1.68 against 1.52 decoded, where untrimmed "
-        "data gave 2.37 against 1.86; docs/BENCHMARKS.md).")
-    repetition_penalty: float = option(1.0, help="CTRL's repetition penalty on the verifier's answers here (1: none; "
-                                                 "1.1-1.3 breaks most loops, but the draft then learns answers the "
-                                                 "verifier does not write unpenalised; local verifier only).")
+        "data gave 2.37 against 1.86; docs/BENCHMARKS.md).",
+    )
+    repetition_penalty: float = option(
+        1.0,
+        help="CTRL's repetition penalty on the verifier's answers here (1: none; "
+        "1.1-1.3 breaks most loops, but the draft then learns answers the "
+        "verifier does not write unpenalised; local verifier only).",
+    )
     seed: int = option(0, help="the seed of the sample and of the sampling.")
-    batch_tokens: int | None = option(None, help="the decoding budget in tokens of key/value cache (sequences decoded "
-                                                 "together = this // --max-seq-len); it fixes the memory whatever the "
-                                                 "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).")
+    batch_tokens: int | None = option(
+        None,
+        help="the decoding budget in tokens of key/value cache (sequences decoded "
+        "together = this // --max-seq-len); it fixes the memory whatever the "
+        "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).",
+    )
     device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
     device_map: str | dict[str, Any] | None = option(
-        None, help="'auto' spreads a verifier too large for one GPU over all of them (transformers' device map; a "
-        "dict in Python places each module itself).")
+        None,
+        help="'auto' spreads a verifier too large for one GPU over all of them (transformers' device map; a "
+        "dict in Python places each module itself).",
+    )
     dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
-    server: str | None = option(None, help="instead of loading the verifier, ask an OpenAI-compatible server that "
-                                           "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
-                                           "verifier's tokenizer and chat template are still read here (prepare needs "
-                                           "them); the server must serve that same model.")
-    server_model: str | None = option(None, help="the model name to ask the server for (default: the first one it "
-                                                 "lists).")
-    api_key_env: str = option("OPENAI_API_KEY", help="the environment variable holding the server's API key, if it "
-                                                     "needs one (the key is sent only in the request header, never "
-                                                     "written).")
+    server: str | None = option(
+        None,
+        help="instead of loading the verifier, ask an OpenAI-compatible server that "
+        "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
+        "verifier's tokenizer and chat template are still read here (prepare needs "
+        "them); the server must serve that same model.",
+    )
+    server_model: str | None = option(
+        None, help="the model name to ask the server for (default: the first one it lists)."
+    )
+    api_key_env: str = option(
+        "OPENAI_API_KEY",
+        help="the environment variable holding the server's API key, if it "
+        "needs one (the key is sent only in the request header, never "
+        "written).",
+    )
     concurrency: int = option(16, help="with --server, the requests in flight at once.")
-    server_timeout: float = option(600.0, help="the seconds one --server answer may take before it is retried (each "
-                                               "is retried 6 times with backoff, as the openai client does): long "
-                                               "enough for --max-new-tokens at a loaded server. The first request, "
-                                               "/models, waits 20 s a try, so a server that never answers is named "
-                                               "within about 2.5 minutes.")
+    server_timeout: float = option(
+        600.0,
+        help="the seconds one --server answer may take before it is retried (each "
+        "is retried 6 times with backoff, as the openai client does): long "
+        "enough for --max-new-tokens at a loaded server. The first request, "
+        "/models, waits 20 s a try, so a server that never answers is named "
+        "within about 2.5 minutes.",
+    )
     strict: bool = option(False, help="stop at the first bad record instead of counting and skipping it.")
     trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
-    chat_template: str | None = option(None, help="render prompts with this template instead of the tokenizer's own "
-                                                  "(a base model has none): a Jinja file, or a checkpoint (dir, "
-                                                  ".gguf, hub id) whose template to use; its sha256 is recorded. With "
-                                                  "--server the server renders them: start it with the same template "
-                                                  "(vLLM, SGLang: --chat-template).")
+    chat_template: str | None = option(
+        None,
+        help="render prompts with this template instead of the tokenizer's own "
+        "(a base model has none): a Jinja file, or a checkpoint (dir, "
+        ".gguf, hub id) whose template to use; its sha256 is recorded. With "
+        "--server the server renders them: start it with the same template "
+        "(vLLM, SGLang: --chat-template).",
+    )
 
     def check(self) -> None:
         if self.max_new_tokens >= self.max_seq_len:
@@ -245,8 +278,18 @@ regenerate = stage_function(RegenerateConfig, run, "regenerate")
 
 
 #: What the manifest counts (``outputs``), summed over the conversations.
-_COUNTS = ("conversations", "answers", "new_tokens", "cut_at_max_new_tokens", "empty_answers", "prompt_too_long",
-           "loops", "loop_tokens", "trimmed_tokens", "dropped_answers")
+_COUNTS = (
+    "conversations",
+    "answers",
+    "new_tokens",
+    "cut_at_max_new_tokens",
+    "empty_answers",
+    "prompt_too_long",
+    "loops",
+    "loop_tokens",
+    "trimmed_tokens",
+    "dropped_answers",
+)
 
 
 class LoopPolicy:

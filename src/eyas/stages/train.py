@@ -50,25 +50,36 @@ class TrainConfig(StageConfig):
     stage: ClassVar[str] = "train"
 
     verifier: str = option(aliases=("--verifier-path",), help="the verifier checkpoint (dir, .gguf, 'smollm2').")
-    data: str = option(aliases=("--data-dir",), help="features from `eyas extract` (offline), or prepared rows from "
-                                                     "`eyas prepare` with --online.")
-    out: str = option(aliases=("--output-dir",), help="output directory: the draft (config.json + model.safetensors), "
-                                                      "checkpoints/, metrics.jsonl, tensorboard/.")
+    data: str = option(
+        aliases=("--data-dir",),
+        help="features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.",
+    )
+    out: str = option(
+        aliases=("--output-dir",),
+        help="output directory: the draft (config.json + model.safetensors), "
+        "checkpoints/, metrics.jsonl, tensorboard/.",
+    )
     vocab: str | None = option(
-        None, aliases=("--vocab-mapping-dir",), help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the "
-        "whole verifier vocab.")
-    online: bool = option(False, help="run the verifier in the loop on prepared rows (nothing written to disk but the "
-                                      "draft).")
-    layers: list[int] | None = option(None, help="three aux layer ids (online only; offline they come from the "
-                                                 "features); default [2, L//2, L-3].")
+        None,
+        aliases=("--vocab-mapping-dir",),
+        help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the whole verifier vocab.",
+    )
+    online: bool = option(
+        False, help="run the verifier in the loop on prepared rows (nothing written to disk but the draft)."
+    )
+    layers: list[int] | None = option(
+        None, help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3]."
+    )
     epochs: int = option(10, help="passes over the training rows.")
     lr: float = option(1e-4, help="peak learning rate.")
     max_seq_len: int = option(2048, help="tokens per packed sequence; longer rows are truncated (and counted).")
-    batch_tokens: int | None = option(None, help="tokens per micro-batch and rank, a multiple of --max-seq-len "
-                                                 "(default: one sequence).")
+    batch_tokens: int | None = option(
+        None, help="tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence)."
+    )
     grad_accum: int = option(1, help="micro-batches per rank and optimizer step.")
-    ttt_steps: int = option(3, help="training-time-test steps (tokens drafted per position); also the draft's "
-                                    "speculative_tokens.")
+    ttt_steps: int = option(
+        3, help="training-time-test steps (tokens drafted per position); also the draft's speculative_tokens."
+    )
     step_loss_decay: float = option(1.0, help="weight of TTT step k is decay**k (1: every step equally).")
     val_ratio: float = option(0.02, help="share of rows held out for validation at each epoch's end.")
     num_workers: int = option(2, help="DataLoader worker processes.")
@@ -80,68 +91,112 @@ class TrainConfig(StageConfig):
     save_every: int = option(1000, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).")
     keep_checkpoints: int = option(2, help="how many checkpoints to keep.")
     log_every: int = option(10, help="log metrics (and sync the device) every N steps.")
-    optimizer: Literal["adamw", "muon"] = option("adamw", help="adamw, or muon (speculators' default: Muon on "
-                                                               "matrices, AdamW on norms and lm_head).")
-    freeze_lm_head: bool = option(False, help="keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE "
-                                              "trains it).")
-    drop_out_of_vocab: bool = option(False, help="no loss where the verifier's full-vocab argmax is outside the draft "
-                                                 "vocab (EAGLE's choice; needs --full-vocab-accuracy).")
-    full_vocab_accuracy: bool = option(True, help="score accuracy against the verifier's full-vocab argmax (costs one "
-                                                  "pass over the head); without it accuracy is within the draft vocab "
-                                                  "and overstates tau.")
+    optimizer: Literal["adamw", "muon"] = option(
+        "adamw", help="adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head)."
+    )
+    freeze_lm_head: bool = option(
+        False, help="keep lm_head at the verifier's rows (speculators 0.9 does; EAGLE trains it)."
+    )
+    drop_out_of_vocab: bool = option(
+        False,
+        help="no loss where the verifier's full-vocab argmax is outside the draft "
+        "vocab (EAGLE's choice; needs --full-vocab-accuracy).",
+    )
+    full_vocab_accuracy: bool = option(
+        True,
+        help="score accuracy against the verifier's full-vocab argmax (costs one "
+        "pass over the head); without it accuracy is within the draft vocab "
+        "and overstates tau.",
+    )
     dist: Literal["ddp", "fsdp"] = option("ddp", help="under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).")
     device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")
     device_map: str | dict[str, Any] | None = option(
-        None, help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
-        "('auto'; a dict in Python) while the draft trains on --device; one process only.")
+        None,
+        help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
+        "('auto'; a dict in Python) while the draft trains on --device; one process only.",
+    )
     compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
-    gradient_checkpointing: bool = option(False, help="recompute each TTT step's layer in backward: far less "
-                                                      "activation memory (long sequences, big drafts) for about a "
-                                                      "third more layer compute.")
-    working_weights: bool | None = option(None, help="compute with working copies of the weights cast once per "
-                                                     "optimizer step, the weight gradients coming out of their "
-                                                     "matmuls in fp32 (default: on, except under --dist fsdp, which "
-                                                     "casts its gathered shards itself).")
-    deferred_wgrad: bool | None = option(None, help="with working weights, accumulate each layer weight's gradient "
-                                                    "over the TTT steps in one fp32 buffer by its matmuls, handing "
-                                                    "autograd the sum once instead of forming one gradient per step "
-                                                    "and adding them (2 GiB less peak at Kimi-K2.5 dims; default: on "
-                                                    "with working weights and without --gradient-checkpointing, whose "
-                                                    "recomputed layer would use each weight again).")
-    loader_embeddings: bool | None = option(None, help="keep the frozen embedding in host memory and let the data "
-                                                       "loader look each batch's rows up, instead of holding the "
-                                                       "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
-                                                       "at Kimi-K2.5's; default: on for offline training on CUDA with "
-                                                       "loader workers and without --dist fsdp).")
-    norm_before_residual: bool = option(False, help="layout variant: residual = hidden_norm(h) (speculators' default; "
-                                                    "served by vLLM, by no SGLang release).")
-    norm_before_fc: bool = option(False, help="layout variant: one RMSNorm over the three concatenated aux states "
-                                              "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
-                                              "0.5.17).")
-    fc_norm: bool = option(False, help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
-                                       "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
-    norm_output: bool = option(False, help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
-                                           "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).")
+    gradient_checkpointing: bool = option(
+        False,
+        help="recompute each TTT step's layer in backward: far less "
+        "activation memory (long sequences, big drafts) for about a "
+        "third more layer compute.",
+    )
+    working_weights: bool | None = option(
+        None,
+        help="compute with working copies of the weights cast once per "
+        "optimizer step, the weight gradients coming out of their "
+        "matmuls in fp32 (default: on, except under --dist fsdp, which "
+        "casts its gathered shards itself).",
+    )
+    deferred_wgrad: bool | None = option(
+        None,
+        help="with working weights, accumulate each layer weight's gradient "
+        "over the TTT steps in one fp32 buffer by its matmuls, handing "
+        "autograd the sum once instead of forming one gradient per step "
+        "and adding them (2 GiB less peak at Kimi-K2.5 dims; default: on "
+        "with working weights and without --gradient-checkpointing, whose "
+        "recomputed layer would use each weight again).",
+    )
+    loader_embeddings: bool | None = option(
+        None,
+        help="keep the frozen embedding in host memory and let the data "
+        "loader look each batch's rows up, instead of holding the "
+        "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
+        "at Kimi-K2.5's; default: on for offline training on CUDA with "
+        "loader workers and without --dist fsdp).",
+    )
+    norm_before_residual: bool = option(
+        False,
+        help="layout variant: residual = hidden_norm(h) (speculators' default; served by vLLM, by no SGLang release).",
+    )
+    norm_before_fc: bool = option(
+        False,
+        help="layout variant: one RMSNorm over the three concatenated aux states "
+        "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
+        "0.5.17).",
+    )
+    fc_norm: bool = option(
+        False,
+        help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
+        "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
+    )
+    norm_output: bool = option(
+        False,
+        help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
+        "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
+    )
     draft_arch: Literal["llama", "qwen3"] = option(
-        "llama", help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
-        "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).")
-    num_layers: int = option(1, help="draft decoder layers: the first reads the token embedding and the hidden state, "
-                                     "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
-                                     ">= 0.5.12).")
+        "llama",
+        help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
+        "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).",
+    )
+    num_layers: int = option(
+        1,
+        help="draft decoder layers: the first reads the token embedding and the hidden state, "
+        "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
+        ">= 0.5.12).",
+    )
     intermediate_size: int | None = option(None, help="draft MLP width (default: the verifier's).")
-    num_attention_heads: int | None = option(None, help="draft query heads (default: the verifier's; MLA verifiers: "
-                                                        "as many).")
+    num_attention_heads: int | None = option(
+        None, help="draft query heads (default: the verifier's; MLA verifiers: as many)."
+    )
     num_key_value_heads: int | None = option(None, help="draft KV heads (default: the verifier's; MLA verifiers: 8).")
     head_dim: int | None = option(None, help="draft head dim (default: the verifier's, or hidden / heads).")
-    verifier_name: str | None = option(None, help="verifier name_or_path written into config.json for vLLM (default: "
-                                                  "the --verifier path).")
+    verifier_name: str | None = option(
+        None, help="verifier name_or_path written into config.json for vLLM (default: the --verifier path)."
+    )
     max_steps: int | None = option(None, help="stop after N optimizer steps (smoke runs and benchmarks).")
-    profile_every: int = option(0, help="every N steps, sync at phase boundaries and log "
-                                        "data/forward/backward/optimizer times.")
-    loss_chunk_tokens: int = option(CHUNK_TOKENS, help="positions per chunk of the fused loss (its logits buffer is "
-                                                       "this x the draft vocab); positions no TTT step scores "
-                                                       "(prompts, packing padding) are skipped in whole chunks of "
-                                                       "this size.")
+    profile_every: int = option(
+        0, help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times."
+    )
+    loss_chunk_tokens: int = option(
+        CHUNK_TOKENS,
+        help="positions per chunk of the fused loss (its logits buffer is "
+        "this x the draft vocab); positions no TTT step scores "
+        "(prompts, packing padding) are skipped in whole chunks of "
+        "this size.",
+    )
 
     def check(self) -> None:
         from eyas.verifier.info import check_aux_layer_ids
@@ -277,10 +332,27 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
     if not len(rows_train):
         raise EyasError(f"{c.data} has no training row with a loss-masked token past position 1")
 
-    keys = ("online", "epochs", "lr", "max_seq_len", "grad_accum", "ttt_steps", "step_loss_decay", "val_ratio",
-            "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
-            "drop_out_of_vocab", "full_vocab_accuracy", "max_steps",
-            "verifier_name")  # fmt: skip  (the name config.json records: another one is another output)
+    keys = (
+        "online",
+        "epochs",
+        "lr",
+        "max_seq_len",
+        "grad_accum",
+        "ttt_steps",
+        "step_loss_decay",
+        "val_ratio",
+        "warmup_steps",
+        "schedule",
+        "weight_decay",
+        "clip",
+        "seed",
+        "optimizer",
+        "freeze_lm_head",
+        "drop_out_of_vocab",
+        "full_vocab_accuracy",
+        "max_steps",
+        "verifier_name",
+    )  # fmt: skip  (the name config.json records: another one is another output)
     settings = {k: getattr(c, k) for k in keys}
     settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
                     draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
@@ -362,15 +434,17 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
             compile_draft(draft)
         verifier_model = build_text_model(info, dtype=compute_dtype, device=None if c.device_map else where,
                                           device_map=c.device_map) if c.online else None  # fmt: skip
-        archs = [] if info.gguf_file else \
-            read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
+        archs = (
+            []
+            if info.gguf_file
+            else read_json(info.checkpoint_dir / "config.json", what="verifier config").get("architectures") or []
+        )
         if not archs:  # a GGUF file has no config.json: name transformers' class for its model type
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
             archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
                 if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
-        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs,
-                     "ttt_steps": ttt_steps}
+        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs, "ttt_steps": ttt_steps}
         o = Options(epochs=c.epochs, lr=c.lr, max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
                     grad_accum=c.grad_accum, ttt_steps=ttt_steps,
                     step_weights=[c.step_loss_decay ** k for k in range(ttt_steps)], warmup_steps=c.warmup_steps,

@@ -92,10 +92,12 @@ class VocabConfig(StageConfig):
 
     data: str = option(help="an `eyas prepare` output directory.")
     out: str = option(help="the output directory.")
-    draft_vocab_size: int | None = option(None, help="tokens in the draft vocab (default: 32000, or the verifier "
-                                                     "vocab when smaller).")
-    count: Literal["masked", "all"] = option("masked", help="count tokens at loss-masked positions only (masked), or "
-                                                            "at every position (all).")
+    draft_vocab_size: int | None = option(
+        None, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
+    )
+    count: Literal["masked", "all"] = option(
+        "masked", help="count tokens at loss-masked positions only (masked), or at every position (all)."
+    )
 
 
 def run(c: VocabConfig) -> dict[str, Any]:

@@ -59,8 +59,10 @@ _LOGIT_SCALES: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("logit_scale", "mul")),  # `logits * self.logit_scale`
     # muP (Granite): `logits / config.logits_scaling`; MiniCPM3 divides the hidden state by it before the head
     # (the same up to rounding)
-    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-                     "granitemoeshared", "minicpm3"), ("logits_scaling", "div")),  # fmt: skip
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "minicpm3"),
+        ("logits_scaling", "div"),
+    ),  # fmt: skip
     "hyperclovax": ("logits_scaling", "mul"),  # `lm_head(h) * config.logits_scaling` ("cf. Granite, which divides")
 }
 

@@ -337,7 +337,9 @@ class FusedAdamW(torch.optim.AdamW):
         anywhere = os.environ.get("TRITON_INTERPRET") == "1"
         if not ps or not all((p.is_cuda or anywhere) and p.dtype == torch.float32 and p.is_contiguous() for p in ps):
             return False
-        if any(g["amsgrad"] or g["maximize"] or g["differentiable"] or torch.is_tensor(g["lr"]) for g in self.param_groups):
+        if any(
+            g["amsgrad"] or g["maximize"] or g["differentiable"] or torch.is_tensor(g["lr"]) for g in self.param_groups
+        ):
             return False
         try:
             _triton_adamw()

@@ -113,8 +113,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return sorted([2, num_layers // 2, num_layers - 3])
 
 
-def check_aux_layer_ids(ids: Sequence[int], num_layers: int | None = None, *, what: str = "--layers",
-                        final: bool = False) -> list[int]:
+def check_aux_layer_ids(
+    ids: Sequence[int], num_layers: int | None = None, *, what: str = "--layers", final: bool = False
+) -> list[int]:
     """The one check of aux layer ids, wherever they come from (``--layers``, a features manifest, a draft's
     config): exactly three distinct ids (EAGLE-3's ``fc`` fuses three states), returned ascending (the order
     both engines concatenate them in). ``what`` names them in the error.
@@ -267,9 +268,11 @@ def _missing_layers(refs: dict[str, TensorRef], prefix: str, num_layers: int, cf
     absent = [i for i in range(num_layers) if i not in present]
     if not present or not absent:
         return []
-    return [f"{cfg_path} says num_hidden_layers={num_layers} but the weights hold no {prefix}layers.{absent[0]}.* "
-            f"({len(absent)} of the {num_layers} layers are absent); the checkpoint is incomplete or its config does "
-            "not belong to it"]
+    return [
+        f"{cfg_path} says num_hidden_layers={num_layers} but the weights hold no {prefix}layers.{absent[0]}.* "
+        f"({len(absent)} of the {num_layers} layers are absent); the checkpoint is incomplete or its config does "
+        "not belong to it"
+    ]
 
 
 def _runnable_reasons(text_type: str, quantization: str) -> list[str]:

@@ -304,7 +304,6 @@ def check_template_renders(tok, *, where: str) -> None:
                         f"({type(e).__name__}: {e}); fix the template") from None  # fmt: skip
 
 
-
 def read_chat_template(source: str | os.PathLike) -> str | dict[str, str]:
     """The chat template ``--chat-template`` names: a Jinja file's text, or the template of a checkpoint's
     tokenizer (a directory holding tokenizer files, a ``.gguf`` file, 'smollm2', or a hub id: only its
@@ -352,7 +351,6 @@ def remote_code_hashes(info: VerifierInfo) -> dict[str, str]:
     from eyas.core.manifest import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(info.checkpoint_dir.glob("*.py"))}
-
 
 
 # --------------------------------------------------------------------------- attention backends

