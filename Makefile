@@ -52,8 +52,10 @@ WORKERS ?= auto
 test: setup
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
-# ruff's lint (pyproject.toml [tool.ruff]): undefined and unused names, syntax-level errors.
+# ruff (pyproject.toml [tool.ruff]): the formatter's check, then the lint (undefined and unused names,
+# syntax-level errors). `ruff format src tests bench` formats.
 lint: setup
+	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/ruff check src tests bench
 
 # The same suite under the oldest transformers eyas supports (5.17, the GPU machine's), in .venv-min; the
