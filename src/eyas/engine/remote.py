@@ -106,10 +106,12 @@ class Server:
               file=sys.stderr, flush=True)  # fmt: skip
         try:
             page = self.client.with_options(timeout=probe_s).models.list()
-        except openai.NotFoundError:
-            if model:  # a server without /models: the model is named
+        except openai.APIStatusError as e:
+            # the server answered, so it is alive, which is what the probe asks; without /models, or with one that
+            # fails (`transformers serve` 5.17 answers 500 with no hub to list), a named model is all it needs
+            if model:
                 return model
-            raise
+            raise self._error("/models", e) from None
         except openai.APITimeoutError as e:
             raise self._error("/models", e, timeout=probe_s) from None
         except openai.APIError as e:

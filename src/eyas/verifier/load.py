@@ -202,6 +202,10 @@ def build_text_model(
             )
             if q:
                 _cast_renamed_quantized(model, dtype)
+                if packed:  # the cast replaces tensors the stacked MoE experts viewed: stack those again
+                    from eyas.verifier.packed import stack_experts
+
+                    stack_experts(model)
     check_loaded(model, loading, where=info.path)
     if device is not None and device_map is None:
         model = model.to(device)

@@ -464,8 +464,36 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor)
 
 def stack_experts(model: nn.Module) -> int:
     """Stack every :class:`PackedExperts` of ``model`` that can be (:meth:`PackedExperts.stack`); return how many
-    were stacked."""
-    return sum(m.stack() for m in model.modules() if isinstance(m, PackedExperts) and not m.stacked)
+    were stacked. A layer whose experts no longer view its stacked tensors (a cast after loading replaced them,
+    as eyas' own cast of renamed quantized weights does under transformers 5.17) is stacked again, so nothing
+    is held twice."""
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, PackedExperts):
+            continue
+        if m.stacked and not _views_intact(m):
+            for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
+                m._buffers.pop(name, None)
+            m.stacked = False
+        if not m.stacked:
+            n += m.stack()
+    return n
+
+
+def _views_intact(m: PackedExperts) -> bool:
+    """Whether every expert's packed weight and scale still share storage with the layer's stacked tensors."""
+    for name, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+        for kind in ("packed", "scale"):
+            whole = m._buffers.get(f"{name}_{kind}")
+            if whole is None:
+                return False
+            ptr = whole.untyped_storage().data_ptr()
+            for expert in m:
+                for n in parts:
+                    t = getattr(getattr(expert, n), "weight_" + kind)
+                    if t.dtype != whole.dtype or t.untyped_storage().data_ptr() != ptr:
+                        return False
+    return True
 
 
 def unfuse_experts(model: nn.Module) -> int:
