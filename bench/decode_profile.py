@@ -8,7 +8,15 @@ nothing, so what it measures is the cost of a round; the speedup at a given tau 
     # anywhere: checks the script runs (tiny random Llama, CPU)
     PYTHONPATH=src python3 bench/decode_profile.py --smoke
 
-Prints one JSON line per attention implementation.
+With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
+(:class:`eyas.engine.generate.BatchDecoder`): every slot busy at ``--prompt-len`` positions (``--live`` sets
+several), one step replayed as a graph, timed and profiled per row count and live length: what a step costs as
+the batch and the keys grow, and where that time goes.
+
+    PYTHONPATH=src:/tmp/site python3 bench/decode_profile.py --verifier /tmp/smol-random --batched 256,1024,2048 \
+        --live 256,1024
+
+Prints one JSON line per attention implementation (or per row count and live length).
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ except ImportError:  # run from a checkout without installing
 
 from eyas.stages.evaluate import setup  # noqa: E402
 from eyas.evaluation.measure import Runners  # noqa: E402
+from eyas.verifier.load import varying_shape_attention  # noqa: E402
+from eyas.engine.generate import BatchDecoder  # noqa: E402
+from eyas.engine.slots import key_bucket, slot_attention  # noqa: E402
 from eyas.engine.speculative import plain_generate, speculative_generate  # noqa: E402
 
 
-def kernels(fn, steps: int) -> dict:
+def kernels(fn, steps: int, top: int = 5) -> dict:
     """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -44,9 +55,37 @@ def kernels(fn, steps: int) -> dict:
     by: dict[str, float] = {}
     for e in ev:
         by[e.name] = by.get(e.name, 0.0) + e.device_time
-    top = sorted(by.items(), key=lambda x: -x[1])[:5]
+    top = sorted(by.items(), key=lambda x: -x[1])[:top]
     return {"kernels_per_step": len(ev) / steps, "gpu_ms_per_step": sum(by.values()) / 1e3 / steps,
             "top_kernels_ms_per_step": {k[:80]: round(v / 1e3 / steps, 4) for k, v in top}}  # fmt: skip
+
+
+def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> dict:
+    """One step of :class:`BatchDecoder` with ``rows`` busy slots each at position ``live`` (keys of earlier
+    positions are whatever the buffers hold: the cost does not depend on them), replayed as its graph."""
+    dev = next(model.parameters()).device
+    dec = BatchDecoder(model, eos_ids=set(), max_len=live + 64, batch_tokens=rows * (live + 64), attention=attention)
+    dec.pos.fill_(live)
+    dec.tok.random_(0, model.config.vocab_size)
+    dec.slots.keys = key_bucket(live + 2, dec.max_len)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            dec.graphs.run(("step", dec.slots.keys), dec._step)
+        sync()
+
+    with torch.no_grad(), slot_attention(model, dec.slots), varying_shape_attention(dev):
+        t0 = time.perf_counter()
+        run(1)
+        warmup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run(steps)
+        ms = 1e3 * (time.perf_counter() - t0) / steps
+        prof = kernels(lambda: run(steps), steps, top=8)
+    return {"rows": rows, "live": live, "attention": dec.slots.attention, "warmup_s": round(warmup, 1),
+            "ms_per_step": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3), "kv_gib": round(dec.kv_bytes / 2**30, 2),
+            "step_profile": prof}  # fmt: skip
 
 
 def main() -> None:
@@ -57,6 +96,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
+    ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -68,6 +109,20 @@ def main() -> None:
         tiny.llama(Path(tmp.name) / "tiny")
         args.verifier, device = str(Path(tmp.name) / "tiny"), "cpu"
         args.prompt_len, args.new_tokens = 20, 16
+        if args.batched:
+            args.batched, args.live = "4", "20"
+    if args.batched:
+        env = setup(verifier=args.verifier, draft="random", device=device, dtype="auto", seed=0)
+        for attention in args.attention.split(","):
+            for rows in map(int, args.batched.split(",")):
+                for live in map(int, args.live.split(",")):
+                    try:
+                        row = batched(env["model"], rows, live, attention=attention)
+                    except Exception as e:  # one shape failing (memory) must not hide the others
+                        row = {"rows": rows, "live": live, "attention": attention, "error": f"{type(e).__name__}: {e}"}
+                    print(json.dumps(row), flush=True)
+                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return
     env = setup(verifier=args.verifier, draft=args.draft, device=device, dtype="auto", seed=0)
     dev, K, n = env["device"], args.draft_tokens, args.new_tokens
     prompt = torch.randint(100, 20000 if not args.smoke else 400, (args.prompt_len,), generator=torch.Generator()

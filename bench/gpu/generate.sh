@@ -18,18 +18,21 @@
 # profiled), the GPU tests of the graphed steps, eval's loops on 4 MT-Bench questions against transformers'
 # static generate, and the batched engine with each slot attention on 1,024 ShareGPT prompts:
 #   bash bench/gpu/generate.sh quick
+# or, in one call of about 2 minutes on the random-weight model, what one batched step of eyas regenerate costs
+# by row count and live keys, with each slot attention, and where its time goes (bench/decode_profile.py --batched):
+#   bash bench/gpu/generate.sh batched
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real|quick) ;;
+  random|part0|real|quick|batched) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
 if [ "$mode" = part0 ]; then
   stash_part0
   exit 0
-elif [ "$mode" = random ] || [ "$mode" = quick ]; then
+elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -45,6 +48,12 @@ else
   V=$GGUF
 fi
 P=$(carried sharegpt_prompts.jsonl.gz)
+if [ "$mode" = batched ]; then
+  run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention flex,sdpa \
+    --batched ${ROWS:-256,1024,2048} --live ${LIVE:-256,1024}
+  collect
+  exit 0
+fi
 if [ "$mode" = quick ]; then
   run profile timeout 100 python3 bench/decode_profile.py --verifier $V --attention sdpa,flex
   cp "$OUT/profile.jsonl" "$OUT/profile.keep"  # eval runs the attention that decoded faster here

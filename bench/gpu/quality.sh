@@ -18,7 +18,9 @@
 # it cannot finish, since an eval starts over when cut), COMMIT (recorded in the results), BUDGET (seconds of this call), R (the run folder, default /tmp/q),
 # GGUF_FILE (another checkpoint, used as it is), DATA (the prompt files' folder; default /tmp/g).
 # What `eyas run` printed, the manifests, run_log.jsonl and the eval reports land in $OUT/run.tar.gz, and
-# $OUT/status.txt; $OUT/smollm2-quality.json once every stage is done.
+# $OUT/status.txt; $OUT/smollm2-quality.json once every stage is done. With KEEP_DATA=1, the call that finishes
+# regenerate also returns its conversations (gzip, in parts of 15 MB: $OUT/regenerated.tgz.00, .01, ...; join
+# with cat) so later runs can train on the same answers without decoding them again.
 set -u
 source "$(dirname "$0")/common.sh"
 D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
@@ -44,6 +46,11 @@ echo "[eyas run] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/status.txt"
 tr "\r" "\n" < "$R/run.log" | grep -v "it/s\]$" | tail -n 8 >> "$OUT/status.txt"
 (cd "$R" && tar czf "$OUT/run.tar.gz" --exclude='*.safetensors' --exclude='*.arrow' --exclude='checkpoints' \
    --exclude='tensorboard' --exclude='conversations.jsonl' --exclude='.parts' . 2>/dev/null)
+if [ -n "${KEEP_DATA:-}" ] && [ -e "$R/regenerated/conversations.jsonl" ] && [ ! -e "$R/.data-returned" ]; then
+  (cd "$R" && tar czf - regenerated/conversations.jsonl regenerated/manifest.json 2>/dev/null) \
+    | split -b 15000000 -d - "$OUT/regenerated.tgz." && touch "$R/.data-returned"
+  ls -la "$OUT"/regenerated.tgz.* | tee -a "$OUT/status.txt"
+fi
 case $rc in
   0) [ -z "${UNTIL:-}" ] || { echo "stages up to $UNTIL done: call again without UNTIL for the rest" | tee -a "$OUT/status.txt"; exit 0; }
      $PY bench/quality_results.py "$R" --out "$OUT/smollm2-quality.json" ${COMMIT:+--commit $COMMIT} \

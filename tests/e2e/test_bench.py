@@ -88,11 +88,11 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
 
 
-def _quality_sh(tmp_path, verifier, data, out, budget, sets, until=""):
+def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data=""):
     """``bash bench/gpu/quality.sh run`` as the GPU calls run it, on ``verifier`` at toy sizes."""
     import os
 
-    env = {**os.environ, "UNTIL": until, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / "q"),
+    env = {**os.environ, "UNTIL": until, "KEEP_DATA": keep_data, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / "q"),
            "BUDGET": str(budget), "SET": sets, "PYTHON": sys.executable}  # fmt: skip
     out.mkdir(exist_ok=True)
     return subprocess.run(["bash", str(BENCH / "gpu" / "quality.sh"), "run"], env=env, capture_output=True,
@@ -126,8 +126,16 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     verifier = make_tiny("llama").path
     cut = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 2, sets)
     assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
-    part = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, until="train")
+    part = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, until="train", keep_data="1")
     assert part.returncode == 0 and "stages up to train done" in part.stdout, part.stdout + part.stderr
+    # KEEP_DATA: the regenerated conversations came back, whole once the parts are joined
+    import tarfile
+
+    joined = b"".join(f.read_bytes() for f in sorted((tmp_path / "out2").glob("regenerated.tgz.*")))
+    (tmp_path / "data.tgz").write_bytes(joined)
+    with tarfile.open(tmp_path / "data.tgz") as t:
+        got_data = t.extractfile("regenerated/conversations.jsonl").read()
+    assert got_data == (tmp_path / "q" / "regenerated" / "conversations.jsonl").read_bytes()
     assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
     done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets)
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
@@ -162,6 +170,15 @@ def test_decode_profile_smoke(tmp_path):
     (r,) = rows
     assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
     assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0
+
+
+def test_decode_profile_batched_smoke(tmp_path):
+    """bench/decode_profile.py --batched (regenerate's batched step, timed and profiled per row count) runs its
+    whole logic on a tiny random Llama."""
+    rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--batched", "4", "--attention", "sdpa"],
+                       tmp_path)  # fmt: skip
+    (r,) = rows
+    assert "error" not in r and r["rows"] == 4 and r["ms_per_step"] > 0 and r["step_profile"]["kernels_per_step"] >= 0
 
 
 def test_int4_memory_smoke(tmp_path):
