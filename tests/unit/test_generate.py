@@ -80,6 +80,22 @@ def test_a_prompt_that_does_not_fit_is_answered_as_too_long(make_tiny):
     assert long.too_long and long.tokens == [] and not short.too_long and len(short.tokens) >= 1
 
 
+def test_rows_are_capped_whatever_the_budget(make_tiny, monkeypatch):
+    """Short sequences in a large budget make no more rows than MAX_ROWS (a step's sampling holds a few
+    [rows, vocab] float32 copies), and the answers are what greedy decoding gives with fewer rows."""
+    import eyas.engine.generate as generate
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    monkeypatch.setattr(generate, "MAX_ROWS", 3)
+    dec = BatchDecoder(model, eos_ids=set(), max_len=16, batch_tokens=16 * 1000, cuda_graphs=False)
+    assert dec.num_slots == 3 and dec.slots.k[0].shape[0] == 3
+    reqs = [Request(key=i, tokens=[5 + i, 7, 9], max_new_tokens=6) for i in range(7)]
+    capped = decode_all(model, reqs, eos_ids=set(), max_len=16, batch_tokens=16 * 1000, cuda_graphs=False)
+    monkeypatch.setattr(generate, "MAX_ROWS", 4096)
+    wide = decode_all(model, reqs, eos_ids=set(), max_len=16, batch_tokens=16 * 1000, cuda_graphs=False)
+    assert [c.tokens for c in capped] == [c.tokens for c in wide] and all(len(c.tokens) == 6 for c in capped)
+
+
 def test_requests_pushed_while_running_are_answered():
     """A caller pushes a follow-up request after each completion (a conversation's next turn); the loop
     answers them too and stops only when nothing is waiting or decoding."""

@@ -275,12 +275,19 @@ def pick_tokens(logits: torch.Tensor, *, temperature: float, seed: torch.Tensor 
     return (scaled - torch.log(-torch.log(u)).float()).argmax(-1)
 
 
+#: The most rows a batched step decodes. A step's work past about 2,048 rows buys little (one H200, SmolLM2, a
+#: step at 256 live keys: 114k tokens/s at 512 rows, 163k at 2,048; bench/decode_profile.py --batched), while
+#: its sampling holds a few ``[rows, vocab]`` float32 copies (top-p sorts them): short sequences in a large
+#: budget (eyas prompts' user turns) would otherwise make tens of thousands of rows and run out of memory there.
+MAX_ROWS = 4096
+
+
 class BatchDecoder:
     """Continuous batching over slots: up to ``num_slots`` sequences decode together, one token each per
     step; a finished answer's slot takes the next waiting request (shortest prompt first) at once.
 
     Memory is fixed by ``batch_tokens`` (key/value positions in all: ``num_slots = batch_tokens // max_len``
-    slots of ``max_len`` positions each) and ``prefill_tokens`` (new prompts are prefilled together,
+    slots of ``max_len`` positions each, at most :data:`MAX_ROWS`) and ``prefill_tokens`` (new prompts are prefilled together,
     right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
     steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
     slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
@@ -302,7 +309,7 @@ class BatchDecoder:
         self.eos_ids, self.temperature, self.pad_id = set(eos_ids), temperature, pad_id
         self.top_p, self.repetition_penalty = top_p, repetition_penalty
         self.max_len = max_len
-        self.num_slots = batch_tokens // max_len
+        self.num_slots = min(batch_tokens // max_len, MAX_ROWS)
         self.prefill_tokens = max(prefill_tokens or 4 * max_len, max_len)
         self.sync_every = max(1, sync_every)
         self.slots = Slots(slots=self.num_slots, capacity=max_len, layers=layer_shapes(model), dtype=p.dtype,
