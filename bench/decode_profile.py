@@ -83,9 +83,14 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
         run(steps)
         ms = 1e3 * (time.perf_counter() - t0) / steps
         prof = kernels(lambda: run(steps), steps, top=8)
+        # the step's tokens against one eager SDPA step from the same state (random weights: near ties may flip)
+        got = dec.graphs.run(("step", dec.slots.keys), dec._step).clone()
+        used, dec.slots.attention = dec.slots.attention, "sdpa"
+        agree = (got == dec._step()).float().mean().item()
+        dec.slots.attention = used
     return {"rows": rows, "live": live, "attention": dec.slots.attention, "warmup_s": round(warmup, 1),
             "ms_per_step": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3), "kv_gib": round(dec.kv_bytes / 2**30, 2),
-            "step_profile": prof}  # fmt: skip
+            "agree_with_sdpa": round(agree, 4), "step_profile": prof}  # fmt: skip
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ else
 fi
 P=$(carried sharegpt_prompts.jsonl.gz)
 if [ "$mode" = batched ]; then
-  run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention flex,sdpa \
+  run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention ${ATTN:-flex,sdpa} \
     --batched ${ROWS:-256,1024,2048} --live ${LIVE:-256,1024}
   collect
   exit 0

@@ -178,7 +178,13 @@ def test_decode_profile_batched_smoke(tmp_path):
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--batched", "4", "--attention", "sdpa"],
                        tmp_path)  # fmt: skip
     (r,) = rows
-    assert "error" not in r and r["rows"] == 4 and r["ms_per_step"] > 0 and r["step_profile"]["kernels_per_step"] >= 0
+    assert (
+        "error" not in r
+        and r["rows"] == 4
+        and r["ms_per_step"] > 0
+        and r["agree_with_sdpa"] == 1.0
+        and r["step_profile"]["kernels_per_step"] >= 0
+    )
 
 
 def test_int4_memory_smoke(tmp_path):

@@ -128,14 +128,15 @@ class Slots:
             self._masks[key] = m
         return self._masks[key]
 
-    def _block_mask(self, T: int, window: int | None):
+    def _block_mask(self, T: int, window: int | None, G: int = 1):
         """rows layout, for FlexAttention: a block table listing, per row, the key blocks up to its last new
         token (the keys it can see), so attention reads each row's live keys only, not the whole key length of
-        the step; within a block the mask of :meth:`_mask`. Built from ``start`` on the device (it records
-        into a graph and follows the positions at each replay)."""
+        the step; within a block the mask of :meth:`_mask`, over ``G*T`` query rows (row ``g*T + t`` is new
+        token ``t``: the grouped query heads folded into the query length, see :func:`_attention`). Built from
+        ``start`` on the device (it records into a graph and follows the positions at each replay)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        key = ("flex", T, window)
+        key = ("flex", T, window, G)
         if key not in self._masks:
             start, dev = self.start, self.start.device
             n = -(-self.keys // FLEX_BLOCK) * FLEX_BLOCK
@@ -144,7 +145,7 @@ class Slots:
             table = torch.arange(nb, dtype=torch.int32, device=dev).repeat(self.num_slots, 1, 1, 1)  # [S,1,1,nb]
 
             def mask_mod(b, h, q_idx, kv_idx):
-                p = start[b] + q_idx
+                p = start[b] + q_idx % T
                 ok = kv_idx <= p
                 if window is not None:
                     ok = ok & (kv_idx > p - window)
@@ -155,7 +156,12 @@ class Slots:
                 extra["compute_q_blocks"] = False  # only a backward pass reads them
             self._masks[key] = (
                 BlockMask.from_kv_blocks(
-                    live[:, None, None], table, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, n), **extra
+                    live[:, None, None],
+                    table,
+                    BLOCK_SIZE=FLEX_BLOCK,
+                    mask_mod=mask_mod,
+                    seq_lengths=(G * T, n),
+                    **extra,
                 ),
                 n,
             )
@@ -208,11 +214,18 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # decoding and verification (a few new tokens a row) through FlexAttention; a prompt's forward (any length:
     # one compile each) through SDPA
     if slots.attention == "flex" and T <= FLEX_MAX_NEW and softcap is None and K.device == slots.start.device:
-        block_mask, nf = slots._block_mask(T, sliding_window)
+        # The G query heads that share a key head are folded into the query length, as for SDPA below
+        # ([S, H, T, d] -> [S, kvh, G*T, d]): inductor's split-key decoding kernel takes grouped-query attention
+        # only at a power-of-two G (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding) and
+        # otherwise falls back to its prefill kernel, which tiles the one query row a head has into a block of
+        # 128 (SmolLM2, G = 3: 2.4x slower than SDPA per batched step, bench/decode_profile.py --batched).
+        fold = G * T < 128
+        block_mask, nf = slots._block_mask(T, sliding_window, G if fold else 1)
+        q = query.reshape(S, kvh, G * T, -1) if fold else query
         try:
-            out = _flex()(query, K[:, :, :nf].to(query.dtype), V[:, :, :nf].to(query.dtype), block_mask=block_mask,
-                          scale=scaling, enable_gqa=G > 1)  # fmt: skip  # [S, H, T, dv]
-            return out.transpose(1, 2), None
+            out = _flex()(q, K[:, :, :nf].to(query.dtype), V[:, :, :nf].to(query.dtype), block_mask=block_mask,
+                          scale=scaling, enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
+            return out.reshape(S, H, T, -1).transpose(1, 2), None
         except Exception as e:  # a compiler error: the SDPA path from then on, after one note
             import sys
 
