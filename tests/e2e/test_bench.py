@@ -146,6 +146,15 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     assert got["train"]["runs"][0]["steps"] == 2
     assert {"prompts", "regenerate", "prepare", "vocab", "train", "eval mt-bench", "eval humaneval"} <= set(
         got["minutes_per_stage"])  # fmt: skip
+    # the run as a point of the tau-against-data curve: its table row and its PNG
+    curve, png = tmp_path / "curve.json", tmp_path / "curve.png"
+    for cmd in (["add", str(tmp_path / "out2" / "smollm2-quality.json"), "--note", "toy"], ["show", "--png", str(png)]):
+        shown = subprocess.run([sys.executable, str(BENCH / "quality_curve.py"), "--curve", str(curve), *cmd],
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+    (pt,) = json.loads(curve.read_text())
+    assert pt["mt-bench"]["tau"] == got["eval"]["mt-bench"]["K=3"]["tau"] and pt["steps"] == 2
+    assert "| toy |" in shown.stdout and png.stat().st_size > 1000
     again = _quality_sh(tmp_path, verifier, data, tmp_path / "out3", 900, sets)
     assert again.returncode == 0, again.stdout + again.stderr
     log = (tmp_path / "q" / "run.log").read_text()
