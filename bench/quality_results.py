@@ -50,7 +50,7 @@ def _val_curve(draft: Path) -> list[dict]:
     return [{"step": r["step"], "epoch": r["epoch"], "tau": r["tau"]} for r in rows if r.get("split") == "val"]
 
 
-def gather(run: Path) -> dict:
+def gather(run: Path, *, expect: list[str] = ("mt-bench", "humaneval")) -> dict:
     """The results of the run folder ``run`` (``$R`` of quality.sh)."""
     selfp, regen, prep, vocab = (_read(run / d / "manifest.json") for d in ("prompts", "regenerated", "prepared",
                                                                            "vocab"))  # fmt: skip
@@ -132,7 +132,10 @@ def gather(run: Path) -> dict:
             finished.add(key)
     result["minutes_per_stage"] = {k: round(v / 60, 2) for k, v in seconds.items()}
     result["minutes_total"] = round(sum(seconds.values()) / 60, 2)
-    result["complete"] = bool(seconds) and set(seconds) == finished and bool(sets)
+    # complete: every stage that ran finished, and every prompt set the recipe measures has its report (a call
+    # killed by its time limit logs nothing for the stage it cut)
+    result["missing"] = [s for s in expect if s not in sets]
+    result["complete"] = bool(seconds) and set(seconds) == finished and not result["missing"]
     return result
 
 
@@ -141,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", type=Path, help="the quality.sh run folder ($R, default /tmp/q there)")
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     p.add_argument("--commit", help="the eyas commit the run ran (the GPU machine's copy has no git)")
+    p.add_argument("--sets", default="mt-bench,humaneval", help="the prompt sets a complete run measured")
     a = p.parse_args(argv)
     if not a.run.is_dir():
         print(f"quality_results: {a.run} is not a folder", file=sys.stderr)
         return 2
-    result = gather(a.run)
+    result = gather(a.run, expect=[x for x in a.sets.split(",") if x])
     if a.commit:
         result["commit"] = a.commit
     text = json.dumps(result, indent=2) + "\n"
