@@ -323,7 +323,8 @@ def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verif
     import datasets
 
     from eyas.data.datasets import PREPARED_ROWS
-    from eyas.core.manifest import atomic_path, write_manifest
+    from eyas.core.files import atomic_path
+    from eyas.core.manifest import write_manifest
     from eyas.verifier.info import fingerprint, resolve
 
     info = resolve(verifier)

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, read_json, read_manifest
+from eyas.core.files import read_json
+from eyas.core.manifest import MANIFEST, read_manifest
 from eyas.data.named_sets import NAMED_SETS, NamedSet, named_set_path
 
 PREPARED_ROWS = "rows"
@@ -197,7 +198,7 @@ def _stage(folder: Path) -> str | None:
 
 def source_sha256(files: list[Path]) -> str:
     """The content hash of a source's files, in order (recorded in manifests)."""
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     if len(files) == 1:
         return sha256_file(files[0])

@@ -64,7 +64,8 @@ import numpy as np
 import torch
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, atomic_path, folder_stage, read_manifest, sha256_file, write_manifest
+from eyas.core.files import atomic_path, sha256_file
+from eyas.core.manifest import MANIFEST, folder_stage, read_manifest, write_manifest
 
 FORMAT = "eyas-features/1"
 STAGE = "extract"

@@ -150,7 +150,7 @@ def pick_offline_rows(rows: list[int] | None, *, num_rows: int, max_rows: int) -
 
 def draft_manifest(draft_dir: str) -> dict[str, Any]:
     """The train stage's manifest beside a draft checkpoint ({} when there is none, e.g. an imported draft)."""
-    from eyas.core.manifest import read_json
+    from eyas.core.files import read_json
 
     with contextlib.suppress(EyasError):
         m = read_json(Path(draft_dir) / "manifest.json", what="draft manifest")

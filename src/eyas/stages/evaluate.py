@@ -157,7 +157,8 @@ class EvalConfig(StageConfig):
 
 def run(c: EvalConfig) -> dict[str, Any]:
     """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
-    from eyas.core.manifest import check_report_out, report_paths, sha256_json, versions, write_json
+    from eyas.core.files import sha256_json, write_json
+    from eyas.core.manifest import check_report_out, report_paths, versions
     from eyas.data.chat import chat_template_hash
 
     verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
@@ -272,7 +273,7 @@ def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> No
     without pyplot's global state)."""
     from matplotlib.figure import Figure
 
-    from eyas.core.manifest import atomic_path
+    from eyas.core.files import atomic_path
 
     fig = Figure(figsize=(5, 3.2), dpi=120)
     ax = fig.subplots()

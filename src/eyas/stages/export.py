@@ -48,7 +48,8 @@ from eyas.draft.checkpoint import (
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.draft.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, StageOutput, human_bytes, read_json, sha256_file
+from eyas.core.files import human_bytes, read_json, sha256_file
+from eyas.core.manifest import MANIFEST, StageOutput
 from eyas.draft.model import DraftConfig
 from eyas.verifier.info import check_aux_layer_ids
 

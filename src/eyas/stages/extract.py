@@ -138,13 +138,13 @@ class _Progress:
             self._save()
 
     def _save(self) -> None:
-        from eyas.core.manifest import write_json
+        from eyas.core.files import write_json
 
         write_json(self.path, {"plan": self.plan, "shards": self.shards})
 
 
 def _still_good(out: Path, entry: dict[str, Any] | None) -> bool:
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     if entry is None:
         return False
@@ -235,7 +235,8 @@ extract = stage_function(ExtractConfig, run, "extract")
 def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
              speculators_out) -> dict[str, Any]:  # fmt: skip
     from eyas.data.datasets import prepared_verifier
-    from eyas.core.manifest import StageOutput, check_free_disk, human_bytes, sha256_json, write_json
+    from eyas.core.files import check_free_disk, human_bytes, sha256_json, write_json
+    from eyas.core.manifest import StageOutput
     from eyas.verifier.load import build_text_model
     from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve
 

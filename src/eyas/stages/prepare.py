@@ -46,7 +46,8 @@ from eyas.data.chat import ChatTemplate, TemplateSplitError
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, atomic_path, sha256_json, write_json
+from eyas.core.files import atomic_path, sha256_json, write_json
+from eyas.core.manifest import StageOutput
 
 CHUNK = 128  # conversations per task handed to a worker
 PART = 32  # chunks per part file on disk: the unit an interrupted run resumes from

@@ -32,7 +32,8 @@ from typing import Any, ClassVar
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import PROMPTS
 from eyas.core.errors import EyasError
-from eyas.core.manifest import Journal, StageOutput, atomic_path, check_out, read_journal, sha256_json
+from eyas.core.files import Journal, atomic_path, read_journal, sha256_json
+from eyas.core.manifest import StageOutput, check_out
 
 __all__ = ["PROMPTS", "prompts", "user_turn_prefix"]
 

@@ -37,7 +37,8 @@ from eyas.core import dist
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import CONVERSATIONS
 from eyas.core.errors import EyasError
-from eyas.core.manifest import Journal, StageOutput, atomic_path, check_out, read_journal, sha256_json
+from eyas.core.files import Journal, atomic_path, read_journal, sha256_json
+from eyas.core.manifest import StageOutput, check_out
 from eyas.engine.remote import Answer, Server, without_credentials
 
 __all__ = ["CONVERSATIONS", "regenerate"]

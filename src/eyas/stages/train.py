@@ -236,7 +236,7 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
     import os
 
     from eyas.data.features import NUM_STATES
-    from eyas.core.manifest import human_bytes
+    from eyas.core.files import human_bytes
 
     per_token = NUM_STATES * hidden * dtype.itemsize + 4 * 8
     need = grad_accum * batch_tokens * per_token
@@ -256,7 +256,8 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
 
 def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.draft.attention import default_attn_implementation
-    from eyas.core.manifest import MANIFEST, StageOutput, read_json, sha256_json
+    from eyas.core.files import read_json, sha256_json
+    from eyas.core.manifest import MANIFEST, StageOutput
     from eyas.draft.model import DraftConfig, Eagle3Draft
     from eyas.verifier.load import build_text_model, load_head_tensors
     from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve

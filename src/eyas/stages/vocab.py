@@ -29,7 +29,8 @@ import numpy as np
 
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, atomic_path, sha256_json
+from eyas.core.files import atomic_path, sha256_json
+from eyas.core.manifest import StageOutput
 
 DEFAULT_DRAFT_VOCAB = 32000
 

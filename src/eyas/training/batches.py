@@ -74,7 +74,7 @@ class FeatureRows:
         return np.concatenate(flat), np.concatenate(offsets)
 
     def identity(self) -> dict[str, Any]:
-        from eyas.core.manifest import sha256_json
+        from eyas.core.files import sha256_json
 
         return {"features": sha256_json([s["sha256"] for s in self.reader.shards]), "rows": len(self)}
 
@@ -129,7 +129,7 @@ class PreparedRows:
     def file_hashes(self) -> list[str]:
         """The sha256 of each of the dataset's Arrow files, in order (read once)."""
         if self._hashes is None:
-            from eyas.core.manifest import sha256_file
+            from eyas.core.files import sha256_file
 
             self._hashes = [sha256_file(f) for f in self._files]
         return self._hashes
@@ -167,7 +167,7 @@ def load_vocab(path: str | os.PathLike | None, *, vocab_size: int) -> tuple[torc
     directory, checked against the verifier; without a path, the whole verifier vocab."""
     if path is None:
         return torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool), {"full": vocab_size}
-    from eyas.core.manifest import read_json, sha256_file
+    from eyas.core.files import read_json, sha256_file
 
     p = Path(path)
     arrays = {}

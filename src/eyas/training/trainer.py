@@ -387,7 +387,7 @@ class Trainer:
     def save(self, *, final: bool = False) -> None:
         """A checkpoint (every rank gathers, rank 0 writes), atomically; older ones beyond the newest
         ``keep_checkpoints`` are removed."""
-        from eyas.core.manifest import atomic_path
+        from eyas.core.files import atomic_path
 
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
         finite = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
@@ -419,7 +419,7 @@ class Trainer:
                 save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
                 torch.save(state, tmp / STATE_FILE)
         except (OSError, RuntimeError, EyasError) as e:  # a full disk reaches torch.save as a RuntimeError
-            from eyas.core.manifest import out_of_room
+            from eyas.core.files import out_of_room
 
             cause = e.__cause__ if isinstance(e, EyasError) and e.__cause__ is not None else e
             why = out_of_room(cause) or f"{type(cause).__name__}: {cause}"
