@@ -3,7 +3,8 @@
 One config per stage is the single source of its arguments: the ``eyas`` command's flags (:mod:`eyas.cli`), an
 ``eyas run`` TOML section (:mod:`eyas.pipeline`) and the Python keyword function (``eyas.stages.train.train(**kw)``,
 made here by :func:`stage_function`) are all generated from its fields, and :mod:`eyas.core.validate` checks every
-value against the field's type and the one table of ranges by name, so a name means one thing everywhere.
+value against the field's type and the range declared on it. Fields several stages share are declared once, in
+:mod:`eyas.core.fields`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, ClassVar
 
-from eyas.core.validate import check_values
+from eyas.core.validate import Range, check_values
 
 
 def option(default: Any = MISSING, *, help: str, positional: bool = False,
-           aliases: tuple[str, ...] | None = None) -> Any:  # fmt: skip
+           aliases: tuple[str, ...] | None = None, range: Range | None = None) -> Any:  # fmt: skip
     """A config field: its default (none: the argument is required) and its help, shown by ``--help``.
 
     ``positional``: the command line takes it as ``eyas STAGE VALUE``; with ``aliases`` (even empty) it is
-    also a ``--flag``. ``aliases``: more flag names for it (``--verifier-path`` for ``--verifier``)."""
-    metadata = {"help": help, "positional": positional, "aliases": aliases}
+    also a ``--flag``. ``aliases``: more flag names for it (``--verifier-path`` for ``--verifier``). ``range``:
+    the numbers it accepts (:class:`eyas.core.validate.Range`); a name several stages take has one range."""
+    metadata = {"help": help, "positional": positional, "aliases": aliases, "range": range}
     if isinstance(default, list):  # a list default is copied per config, as dataclasses require
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -19,8 +19,10 @@ from typing import Any, ClassVar
 import torch
 
 from eyas.data.chat import end_of_turn_ids
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, TOKENS
 from eyas.engine.generate import device_and_dtype
 from eyas.evaluation.measure import Runners, as_prompts, conversation_bound, measure, recheck_fp32_turns, summarize
 from eyas.draft.model import DraftConfig, Eagle3Draft
@@ -89,7 +91,7 @@ class EvalConfig(StageConfig):
 
     stage: ClassVar[str] = "eval"
 
-    verifier: str = option(help="the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).")
+    verifier: str = fields.verifier()
     draft: str = option(
         help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
         "'random' for an untrained draft (the floor of acceptance)."
@@ -102,9 +104,11 @@ class EvalConfig(StageConfig):
     out: str | None = option(
         None, help="where to write the report: a .json path (the histogram PNG goes beside it) or a directory."
     )
-    num_prompts: int | None = option(None, help="evaluate this many prompts (a seeded sample); default all.")
+    num_prompts: int | None = option(
+        None, range=AT_LEAST_1, help="evaluate this many prompts (a seeded sample); default all."
+    )
     max_new_tokens: int = option(
-        256, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
+        256, range=TOKENS, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
     )
     draft_tokens: list[int] = option(
         [3],
@@ -112,8 +116,10 @@ class EvalConfig(StageConfig):
         "measured on the same turns (the report's top-level figures are the "
         "first K's, every K's under by_draft_tokens).",
     )
-    temperature: float = option(0.0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature.")
-    seed: int = option(0, help="seeds the prompt sample and all sampling.")
+    temperature: float = option(
+        0.0, range=AT_LEAST_0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature."
+    )
+    seed: int = option(0, range=AT_LEAST_0, help="seeds the prompt sample and all sampling.")
     offline: str | None = option(
         None,
         help="an `eyas extract` features dir: also predict tau from the draft's "
@@ -121,9 +127,9 @@ class EvalConfig(StageConfig):
         "train held out when they are the features (or prepared rows) the draft "
         "trained on, else their first --offline-rows rows; the report says which.",
     )
-    offline_rows: int = option(256, help="rows of --offline features to use at most.")
-    device: str | None = option(None, help="cuda or cpu (default: cuda when available).")
-    dtype: str = option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")
+    offline_rows: int = option(256, range=AT_LEAST_1, help="rows of --offline features to use at most.")
+    device: str | None = fields.device()
+    dtype: str = fields.dtype()
     cuda_graphs: bool = option(
         True,
         help="on CUDA, record every fixed-shape decoding forward (plain step, "
@@ -143,16 +149,8 @@ class EvalConfig(StageConfig):
         "decoding again in fp32, to tell near-ties of the compute dtype from real "
         "differences.",
     )
-    trust_remote_code: bool = option(
-        False, help="allow the verifier's tokenizer to run checkpoint code (never on by default)."
-    )
-    chat_template: str | None = option(
-        None,
-        help="render prompts with this template instead of the tokenizer's own "
-        "(a base model has none): a Jinja file, or a checkpoint (dir, "
-        ".gguf, hub id) whose template to use; the one the draft's data was "
-        "prepared with.",
-    )
+    trust_remote_code: bool = fields.trust_remote_code(" (never on by default).")
+    chat_template: str | None = fields.chat_template(". Give the one the draft's data was prepared with.")
 
 
 def run(c: EvalConfig) -> dict[str, Any]:

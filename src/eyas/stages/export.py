@@ -45,9 +45,11 @@ from eyas.draft.checkpoint import (
     save_tensors,
     write_checkpoint,
 )
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.draft.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.core.errors import EyasError
+from eyas.core.validate import AT_LEAST_1
 from eyas.core.files import human_bytes, read_json, sha256_file
 from eyas.core.manifest import MANIFEST, StageOutput
 from eyas.draft.model import DraftConfig
@@ -97,7 +99,7 @@ class ExportConfig(StageConfig):
         aliases=(),
         help="the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).",
     )
-    out: str = option(help="the directory to write.")
+    out: str = fields.out()
     format: Literal["speculators", "eagle"] = option(
         "speculators", help="the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE)."
     )
@@ -108,11 +110,10 @@ class ExportConfig(StageConfig):
         "midlayer.* or layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves "
         "it); default: the native layout, which is speculators'.",
     )
-    verifier: str | None = option(
-        None,
-        help="the verifier checkpoint the draft is for: checked against the draft, "
-        "and the source of the default aux layers for an EAGLE draft whose "
-        "config names none, and of the embedding for --include-embeddings.",
+    verifier: str | None = fields.verifier(
+        "; the draft is checked against it, and it gives the default aux layers of an EAGLE draft whose config "
+        "names none, and the embedding for --include-embeddings.",
+        default=None,
     )
     verifier_name: str | None = option(
         None,
@@ -122,7 +123,9 @@ class ExportConfig(StageConfig):
         "--verifier.",
     )
     speculative_tokens: int | None = option(
-        None, help="tokens to draft per step, recorded for vLLM; default: what the draft records, else 3."
+        None,
+        range=AT_LEAST_1,
+        help="tokens to draft per step, recorded for vLLM; default: what the draft records, else 3.",
     )
     include_embeddings: bool = option(
         False,

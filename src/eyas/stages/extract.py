@@ -30,8 +30,10 @@ import torch
 
 from eyas.data import features
 from eyas.training.batches import PreparedRows
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import TOKENS
 from eyas.engine.extractor import WINDOW_SHARDS, Extractor
 from eyas.data.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 
@@ -164,29 +166,21 @@ class ExtractConfig(StageConfig):
 
     stage: ClassVar[str] = "extract"
 
-    verifier: str | None = option(
-        None, help="the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must be for it."
-    )
+    verifier: str | None = fields.verifier("; the prepared rows must be for it.", default=None)
     data: str | None = option(None, help="a directory written by `eyas prepare`.")
-    out: str | None = option(None, help="the output directory for the feature shards.")
+    out: str | None = fields.out(" for the feature shards.", default=None)
     layers: list[int] | None = option(
         None, help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3]."
     )
     batch_tokens: int | None = option(
-        None, help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU)."
+        None, range=TOKENS, help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU)."
     )
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = option(
         "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes)."
     )
-    device: str | None = option(
-        None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU."
-    )
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="'auto' spreads a verifier larger than one GPU over all of them (one process only; a dict in "
-        "Python places each module itself).",
-    )
-    shard_tokens: int | None = option(None, help="tokens per shard (default: shards of at most 1 GiB).")
+    device: str | None = fields.device("; under torchrun each rank takes its own GPU.")
+    device_map: str | dict[str, Any] | None = fields.device_map()
+    shard_tokens: int | None = option(None, range=TOKENS, help="tokens per shard (default: shards of at most 1 GiB).")
     speculators_out: str | None = option(
         None, help="also write the features in speculators' offline layout to this directory."
     )

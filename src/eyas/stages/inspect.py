@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.verifier.info import resolve
 
@@ -19,13 +20,7 @@ class InspectConfig(StageConfig):
 
     stage: ClassVar[str] = "inspect"
 
-    verifier: str = option(
-        positional=True,
-        aliases=(),
-        help="a checkpoint directory, a .gguf file, 'smollm2' (the "
-        "demo verifier) or a hub id (positional, or --verifier "
-        "as in every other stage).",
-    )
+    verifier: str = fields.verifier("; positional, or --verifier as in every other stage.", positional=True, aliases=())
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1
 
 #: Figures the estimate uses, each measured on one H200 (torch 2.11, transformers 5.17) and recorded in
 #: docs/BENCHMARKS.md, each named by the commit that recorded it:
@@ -358,12 +359,12 @@ class PlanConfig(StageConfig):
         aliases=(),
         help="a checkpoint directory (config.json is enough; positional, or --verifier as in every other stage).",
     )
-    tokens: int = option(help="training tokens (the prepared rows' tokens).")
-    gpus: int = option(8, help="GPUs on the machine.")
-    gpu_memory: float = option(141.0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
-    epochs: int = option(1, help="passes over the tokens.")
+    tokens: int = option(range=AT_LEAST_1, help="training tokens (the prepared rows' tokens).")
+    gpus: int = option(8, range=AT_LEAST_1, help="GPUs on the machine.")
+    gpu_memory: float = option(141.0, range=ABOVE_0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
+    epochs: int = option(1, range=AT_LEAST_1, help="passes over the tokens.")
     disk: float | None = option(
-        None, help="disk for features in GB (default: the free space of the current directory)."
+        None, range=AT_LEAST_0, help="disk for features in GB (default: the free space of the current directory)."
     )
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 

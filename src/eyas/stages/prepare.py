@@ -43,9 +43,11 @@ import numpy as np
 import pyarrow as pa
 
 from eyas.data.chat import ChatTemplate, TemplateSplitError
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.core.errors import EyasError
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN
 from eyas.core.files import atomic_path, sha256_json, write_json
 from eyas.core.manifest import StageOutput
 
@@ -290,32 +292,28 @@ class PrepareConfig(StageConfig):
 
     stage: ClassVar[str] = "prepare"
 
-    verifier: str = option(
-        help="the verifier checkpoint (dir, .gguf, or 'smollm2'); its tokenizer and chat template are used."
-    )
+    verifier: str = fields.verifier("; its tokenizer and chat template are used.")
     data: str = option(
         help="a .json/.jsonl/.parquet file or a folder of them (ShareGPT or OpenAI layout), or a named "
         "set: sharegpt, mt-bench, humaneval."
     )
-    out: str = option(help="the output directory.")
-    max_seq_len: int = option(2048, help="the most tokens a row may have.")
-    max_samples: int | None = option(None, help="keep a seeded random sample of this many conversations.")
-    seed: int = option(0, help="the seed of that sample.")
+    out: str = fields.out()
+    max_seq_len: int = option(2048, range=SEQ_LEN, help="the most tokens a row may have.")
+    max_samples: int | None = option(
+        None, range=AT_LEAST_1, help="keep a seeded random sample of this many conversations."
+    )
+    seed: int = option(0, range=AT_LEAST_0, help="the seed of that sample.")
     strict: bool = option(False, help="stop at the first bad row instead of counting and skipping it.")
     on_overflow: Literal["truncate", "drop"] = option(
         "truncate",
         help="a row longer than max-seq-len is cut after its last assistant turn that fits (truncate), or "
         "dropped (drop).",
     )
-    num_proc: int | None = option(None, help="worker processes for tokenization (default: every core).")
-    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run (recorded by hash).")
-    chat_template: str | None = option(
-        None,
-        help="render with this template instead of the tokenizer's own (a base "
-        "model has none): a Jinja file, or a checkpoint (dir, .gguf, hub "
-        "id) whose template to use; its sha256 is recorded. Give the same "
-        "to eval.",
+    num_proc: int | None = option(
+        None, range=AT_LEAST_1, help="worker processes for tokenization (default: every core)."
     )
+    trust_remote_code: bool = fields.trust_remote_code(" (recorded by hash).")
+    chat_template: str | None = fields.chat_template(". Give the same to eval.")
 
 
 def run(c: PrepareConfig) -> dict[str, Any]:

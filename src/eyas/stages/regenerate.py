@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from eyas.core import dist
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.data.datasets import CONVERSATIONS
 from eyas.core.errors import EyasError
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, TOKENS
 from eyas.core.files import Journal, atomic_path, read_journal, sha256_json
 from eyas.core.manifest import StageOutput, check_out
 from eyas.engine.remote import Answer, Server, without_credentials
@@ -59,28 +61,30 @@ class RegenerateConfig(StageConfig):
 
     stage: ClassVar[str] = "regenerate"
 
-    verifier: str = option(
-        help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through its own chat template."
-    )
+    verifier: str = fields.verifier("; it writes the answers through its own chat template.")
     data: str = option(
         help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
         "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
         "comma-separated: sharegpt,runs/x/prompts."
     )
-    out: str = option(help="the output directory.")
+    out: str = fields.out()
     max_new_tokens: int = option(
-        1024, help="the most tokens one answer may have; an answer cut there ends its conversation."
+        1024, range=TOKENS, help="the most tokens one answer may have; an answer cut there ends its conversation."
     )
     max_seq_len: int = option(
         2048,
+        range=SEQ_LEN,
         help="the longest conversation in tokens: a turn whose prompt plus "
         "--max-new-tokens would pass it is not answered and ends the conversation "
         "(train on at most this many tokens: prepare's and train's --max-seq-len).",
     )
-    max_samples: int | None = option(None, help="answer a seeded random sample of this many prompts.")
-    max_turns: int | None = option(None, help="answer at most this many user turns of each prompt (default: all).")
+    max_samples: int | None = option(None, range=AT_LEAST_1, help="answer a seeded random sample of this many prompts.")
+    max_turns: int | None = option(
+        None, range=AT_LEAST_1, help="answer at most this many user turns of each prompt (default: all)."
+    )
     temperature: float = option(
         0.0,
+        range=AT_LEAST_0,
         help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
         "rerun writes the same answers whatever else shares the batch).",
     )
@@ -94,24 +98,22 @@ class RegenerateConfig(StageConfig):
     )
     repetition_penalty: float = option(
         1.0,
+        range=ABOVE_0,
         help="CTRL's repetition penalty on the verifier's answers here (1: none; "
         "1.1-1.3 breaks most loops, but the draft then learns answers the "
         "verifier does not write unpenalised; local verifier only).",
     )
-    seed: int = option(0, help="the seed of the sample and of the sampling.")
+    seed: int = option(0, range=AT_LEAST_0, help="the seed of the sample and of the sampling.")
     batch_tokens: int | None = option(
         None,
+        range=TOKENS,
         help="the decoding budget in tokens of key/value cache (sequences decoded "
         "together = this // --max-seq-len); it fixes the memory whatever the "
         "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).",
     )
-    device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="'auto' spreads a verifier too large for one GPU over all of them (transformers' device map; a "
-        "dict in Python places each module itself).",
-    )
-    dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+    device: str | None = fields.device()
+    device_map: str | dict[str, Any] | None = fields.device_map()
+    dtype: str = fields.dtype()
     server: str | None = option(
         None,
         help="instead of loading the verifier, ask an OpenAI-compatible server that "
@@ -128,9 +130,10 @@ class RegenerateConfig(StageConfig):
         "needs one (the key is sent only in the request header, never "
         "written).",
     )
-    concurrency: int = option(16, help="with --server, the requests in flight at once.")
+    concurrency: int = option(16, range=AT_LEAST_1, help="with --server, the requests in flight at once.")
     server_timeout: float = option(
         600.0,
+        range=ABOVE_0,
         help="the seconds one --server answer may take before it is retried (each "
         "is retried 6 times with backoff, as the openai client does): long "
         "enough for --max-new-tokens at a loaded server. The first request, "
@@ -138,14 +141,9 @@ class RegenerateConfig(StageConfig):
         "within about 2.5 minutes.",
     )
     strict: bool = option(False, help="stop at the first bad record instead of counting and skipping it.")
-    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
-    chat_template: str | None = option(
-        None,
-        help="render prompts with this template instead of the tokenizer's own "
-        "(a base model has none): a Jinja file, or a checkpoint (dir, "
-        ".gguf, hub id) whose template to use; its sha256 is recorded. With "
-        "--server the server renders them: start it with the same template "
-        "(vLLM, SGLang: --chat-template).",
+    trust_remote_code: bool = fields.trust_remote_code()
+    chat_template: str | None = fields.chat_template(
+        ". With --server the server renders them: start it with the same template (vLLM, SGLang: --chat-template)."
     )
 
     def check(self) -> None:

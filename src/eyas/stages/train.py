@@ -29,8 +29,10 @@ import numpy as np
 import torch
 
 from eyas.training.batches import FeatureRows, PreparedRows, load_vocab, row_counts
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, SHARE, TOKENS
 from eyas.training.loss import CHUNK_TOKENS, TargetHead
 from eyas.training.precision import use_working_weights
 from eyas.training.log import METRICS, PLOT, accuracy_measure, plot_curves, print_summary
@@ -49,15 +51,14 @@ class TrainConfig(StageConfig):
 
     stage: ClassVar[str] = "train"
 
-    verifier: str = option(aliases=("--verifier-path",), help="the verifier checkpoint (dir, .gguf, 'smollm2').")
+    verifier: str = fields.verifier(aliases=("--verifier-path",))
     data: str = option(
         aliases=("--data-dir",),
         help="features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.",
     )
-    out: str = option(
+    out: str = fields.out(
+        ": the draft (config.json + model.safetensors), checkpoints/, metrics.jsonl, tensorboard/.",
         aliases=("--output-dir",),
-        help="output directory: the draft (config.json + model.safetensors), "
-        "checkpoints/, metrics.jsonl, tensorboard/.",
     )
     vocab: str | None = option(
         None,
@@ -70,27 +71,37 @@ class TrainConfig(StageConfig):
     layers: list[int] | None = option(
         None, help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3]."
     )
-    epochs: int = option(10, help="passes over the training rows.")
-    lr: float = option(1e-4, help="peak learning rate.")
-    max_seq_len: int = option(2048, help="tokens per packed sequence; longer rows are truncated (and counted).")
+    epochs: int = option(10, range=AT_LEAST_1, help="passes over the training rows.")
+    lr: float = option(1e-4, range=ABOVE_0, help="peak learning rate.")
+    max_seq_len: int = option(
+        2048, range=SEQ_LEN, help="tokens per packed sequence; longer rows are truncated (and counted)."
+    )
     batch_tokens: int | None = option(
-        None, help="tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence)."
+        None, range=TOKENS, help="tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence)."
     )
-    grad_accum: int = option(1, help="micro-batches per rank and optimizer step.")
+    grad_accum: int = option(1, range=AT_LEAST_1, help="micro-batches per rank and optimizer step.")
     ttt_steps: int = option(
-        3, help="training-time-test steps (tokens drafted per position); also the draft's speculative_tokens."
+        3,
+        range=AT_LEAST_1,
+        help="training-time-test steps (tokens drafted per position); also the draft's speculative_tokens.",
     )
-    step_loss_decay: float = option(1.0, help="weight of TTT step k is decay**k (1: every step equally).")
-    val_ratio: float = option(0.02, help="share of rows held out for validation at each epoch's end.")
-    num_workers: int = option(2, help="DataLoader worker processes.")
-    warmup_steps: int | None = option(None, help="linear warmup steps (default: 3% of all steps).")
+    step_loss_decay: float = option(
+        1.0, range=AT_LEAST_0, help="weight of TTT step k is decay**k (1: every step equally)."
+    )
+    val_ratio: float = option(0.02, range=SHARE, help="share of rows held out for validation at each epoch's end.")
+    num_workers: int = option(2, range=AT_LEAST_0, help="DataLoader worker processes.")
+    warmup_steps: int | None = option(None, range=AT_LEAST_0, help="linear warmup steps (default: 3% of all steps).")
     schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="learning-rate decay after warmup.")
-    weight_decay: float = option(0.0, help="AdamW weight decay on matrices (norms never decay).")
-    clip: float = option(0.5, help="gradient-norm clip (0: off).")
-    seed: int = option(0, help="seeds the draft's init, the validation split and each epoch's packing order.")
-    save_every: int = option(1000, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).")
-    keep_checkpoints: int = option(2, help="how many checkpoints to keep.")
-    log_every: int = option(10, help="log metrics (and sync the device) every N steps.")
+    weight_decay: float = option(0.0, range=AT_LEAST_0, help="AdamW weight decay on matrices (norms never decay).")
+    clip: float = option(0.5, range=AT_LEAST_0, help="gradient-norm clip (0: off).")
+    seed: int = option(
+        0, range=AT_LEAST_0, help="seeds the draft's init, the validation split and each epoch's packing order."
+    )
+    save_every: int = option(
+        1000, range=AT_LEAST_0, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there)."
+    )
+    keep_checkpoints: int = option(2, range=AT_LEAST_1, help="how many checkpoints to keep.")
+    log_every: int = option(10, range=AT_LEAST_1, help="log metrics (and sync the device) every N steps.")
     optimizer: Literal["adamw", "muon"] = option(
         "adamw", help="adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head)."
     )
@@ -109,11 +120,9 @@ class TrainConfig(StageConfig):
         "and overstates tau.",
     )
     dist: Literal["ddp", "fsdp"] = option("ddp", help="under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).")
-    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
-        "('auto'; a dict in Python) while the draft trains on --device; one process only.",
+    device: str | None = fields.device()
+    device_map: str | dict[str, Any] | None = fields.device_map(
+        "; with --online only, while the draft trains on --device."
     )
     compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
     gradient_checkpointing: bool = option(
@@ -177,21 +186,30 @@ class TrainConfig(StageConfig):
         "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
         ">= 0.5.12).",
     )
-    intermediate_size: int | None = option(None, help="draft MLP width (default: the verifier's).")
+    intermediate_size: int | None = option(None, range=AT_LEAST_1, help="draft MLP width (default: the verifier's).")
     num_attention_heads: int | None = option(
-        None, help="draft query heads (default: the verifier's; MLA verifiers: as many)."
+        None, range=AT_LEAST_1, help="draft query heads (default: the verifier's; MLA verifiers: as many)."
     )
-    num_key_value_heads: int | None = option(None, help="draft KV heads (default: the verifier's; MLA verifiers: 8).")
-    head_dim: int | None = option(None, help="draft head dim (default: the verifier's, or hidden / heads).")
+    num_key_value_heads: int | None = option(
+        None, range=AT_LEAST_1, help="draft KV heads (default: the verifier's; MLA verifiers: 8)."
+    )
+    head_dim: int | None = option(
+        None, range=AT_LEAST_1, help="draft head dim (default: the verifier's, or hidden / heads)."
+    )
     verifier_name: str | None = option(
         None, help="verifier name_or_path written into config.json for vLLM (default: the --verifier path)."
     )
-    max_steps: int | None = option(None, help="stop after N optimizer steps (smoke runs and benchmarks).")
+    max_steps: int | None = option(
+        None, range=AT_LEAST_1, help="stop after N optimizer steps (smoke runs and benchmarks)."
+    )
     profile_every: int = option(
-        0, help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times."
+        0,
+        range=AT_LEAST_0,
+        help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.",
     )
     loss_chunk_tokens: int = option(
         CHUNK_TOKENS,
+        range=AT_LEAST_1,
         help="positions per chunk of the fused loss (its logits buffer is "
         "this x the draft vocab); positions no TTT step scores "
         "(prompts, packing padding) are skipped in whole chunks of "

@@ -27,8 +27,10 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import AT_LEAST_1
 from eyas.core.files import atomic_path, sha256_json
 from eyas.core.manifest import StageOutput
 
@@ -92,9 +94,9 @@ class VocabConfig(StageConfig):
     stage: ClassVar[str] = "vocab"
 
     data: str = option(help="an `eyas prepare` output directory.")
-    out: str = option(help="the output directory.")
+    out: str = fields.out()
     draft_vocab_size: int | None = option(
-        None, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
+        None, range=AT_LEAST_1, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
     )
     count: Literal["masked", "all"] = option(
         "masked", help="count tokens at loss-masked positions only (masked), or at every position (all)."
