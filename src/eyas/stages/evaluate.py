@@ -159,66 +159,60 @@ def run(c: EvalConfig) -> dict[str, Any]:
     from eyas.core.manifest import check_report_out, report_paths, versions
     from eyas.data.chat import chat_template_hash
 
-    verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
-    max_new_tokens, draft_tokens, temperature, seed = c.max_new_tokens, c.draft_tokens, c.temperature, c.seed
-    offline, offline_rows, device, dtype, cuda_graphs = c.offline, c.offline_rows, c.device, c.dtype, c.cuda_graphs
-    compile, baseline, recheck_fp32, trust_remote_code = c.compile, c.baseline, c.recheck_fp32, c.trust_remote_code
-    chat_template = c.chat_template
-
-    if out:  # before any work: the report replaces only an earlier report, or nothing
-        check_report_out(out)
-    Ks = list(dict.fromkeys(draft_tokens))
+    if c.out:  # before any work: the report replaces only an earlier report, or nothing
+        check_report_out(c.out)
+    Ks = list(dict.fromkeys(c.draft_tokens))
     if not Ks or min(Ks) < 1:
-        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
+        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {c.draft_tokens}")
     offline_rows_from = None
-    if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
+    if c.offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
         from eyas.data.features import FeatureReader
 
-        offline_rows_from = choose_offline_rows(draft_manifest(draft), offline)  # (rows, kind, why)
-        feats = FeatureReader(offline)
+        offline_rows_from = choose_offline_rows(draft_manifest(c.draft), c.offline)  # (rows, kind, why)
+        feats = FeatureReader(c.offline)
         feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
-                                                             max_rows=offline_rows)))  # fmt: skip
-    plist, source = as_prompts(prompts, num_prompts=num_prompts, seed=seed)
+                                                             max_rows=c.offline_rows)))  # fmt: skip
+    plist, source = as_prompts(c.prompts, num_prompts=c.num_prompts, seed=c.seed)
     # what this report measures: every setting but --out, the draft's manifest, the prompts themselves; an
     # existing report of the same is kept (a rerun of `eyas run` after a time limit skips finished evals)
     measured = sha256_json({"settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "out"},
-                            "draft": draft_manifest(draft) if str(draft) != "random" else "random",
+                            "draft": draft_manifest(c.draft) if str(c.draft) != "random" else "random",
                             "prompts": [dataclasses.asdict(p) for p in plist]})  # fmt: skip
-    if out and (old := _existing_report(out, measured)) is not None:
-        print(f"eval: {report_paths(out)[0]} already measures this draft on these prompts; skipping")
+    if c.out and (old := _existing_report(c.out, measured)) is not None:
+        print(f"eval: {report_paths(c.out)[0]} already measures this draft on these prompts; skipping")
         return old
-    env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
-                trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
+    env = setup(verifier=c.verifier, draft=c.draft, device=c.device, dtype=c.dtype, seed=c.seed,
+                trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
-    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
-    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs,
-                            compile=compile)  # fmt: skip
+    bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
+    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
+                            compile=c.compile)  # fmt: skip
     graphs = runners.base.graphs.enabled
-    m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
-                temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
-    if recheck_fp32 and temperature == 0:
-        recheck_fp32_turns(env, m, max_new_tokens=max_new_tokens, bound=bound)
-    by_k = {K: summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline) for K in Ks}
+    m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
+                temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
+    if c.recheck_fp32 and c.temperature == 0:
+        recheck_fp32_turns(env, m, max_new_tokens=c.max_new_tokens, bound=bound)
+    by_k = {K: summarize(m, draft_tokens=K, temperature=c.temperature, baseline=c.baseline) for K in Ks}
     template_sha = chat_template_hash(tokenizer)
     K = Ks[0]
     report: dict[str, Any] = {
         **by_k[K],
         "num_prompts": len(plist),
-        "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
+        "temperature": c.temperature,
+        "max_new_tokens": c.max_new_tokens,
         "prompts": source,
         "verifier": env["info"].path,
-        "draft": str(draft),
-        "draft_is_random": str(draft) == "random",
+        "draft": str(c.draft),
+        "draft_is_random": str(c.draft) == "random",
         "device": str(dev),
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
-        "chat_template": chat_template,  # --chat-template, or None: the tokenizer's own
+        "chat_template": c.chat_template,  # --chat-template, or None: the tokenizer's own
         "end_of_turn_ids": sorted(env["eos_ids"]),
-        "seed": seed,
+        "seed": c.seed,
         "versions": versions(),
         "measured_sha256": measured,
     }
@@ -228,19 +222,19 @@ def run(c: EvalConfig) -> dict[str, Any]:
     if trained_template and template_sha and trained_template != template_sha:
         report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
                              "prepare used: --chat-template)")  # fmt: skip
-    if offline:
+    if c.offline:
         rows, kind, why = offline_rows_from
-        report["offline"] = offline_accuracy(d, env["info"], offline, ttt_steps=K, rows=rows, max_rows=offline_rows,
-                                             device=dev, max_new_tokens=max_new_tokens)  # fmt: skip
+        report["offline"] = offline_accuracy(d, env["info"], c.offline, ttt_steps=K, rows=rows, max_rows=c.offline_rows,
+                                             device=dev, max_new_tokens=c.max_new_tokens)  # fmt: skip
         report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
         report["predicted_tau_walk"] = report["offline"]["predicted_tau_walk"]
-    if out:
-        json_path, png_path = report_paths(out)
-        check_report_out(out)  # again: a file may have appeared there while eval ran
-        name = "random draft" if report["draft_is_random"] else Path(str(draft)).name
+    if c.out:
+        json_path, png_path = report_paths(c.out)
+        check_report_out(c.out)  # again: a file may have appeared there while eval ran
+        name = "random draft" if report["draft_is_random"] else Path(str(c.draft)).name
         plot_histogram(png_path, report["accepted_length_histogram"], tau=report["tau"],
-                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={temperature:g}")  # fmt: skip
+                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={c.temperature:g}")  # fmt: skip
         report["histogram_png"] = str(png_path)
         write_json(json_path, report)
         report["report_json"] = str(json_path)

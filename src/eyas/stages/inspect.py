@@ -26,10 +26,9 @@ class InspectConfig(StageConfig):
 
 def run(c: InspectConfig) -> dict[str, Any]:
     """Run `eyas inspect` as ``c`` describes (see :class:`InspectConfig`)."""
-    path, json_out = c.verifier, c.json_out
-    info = resolve(path)
+    info = resolve(c.verifier)
     summary = info.summary()
-    if json_out:
+    if c.json_out:
         print(json.dumps(summary, indent=2))
         return summary
     rows = [

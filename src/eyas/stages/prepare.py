@@ -323,42 +323,38 @@ def run(c: PrepareConfig) -> dict[str, Any]:
     from eyas.verifier.load import load_tokenizer, remote_code_hashes
     from eyas.verifier.info import fingerprint, resolve
 
-    verifier, data, out, max_seq_len, max_samples = c.verifier, c.data, c.out, c.max_seq_len, c.max_samples
-    seed, strict, on_overflow, num_proc = c.seed, c.strict, c.on_overflow, c.num_proc
-    trust_remote_code, chat_template = c.trust_remote_code, c.chat_template
-
-    out_dir = Path(out)
+    out_dir = Path(c.out)
     # the lock first: a second prepare into this --out stops here, before it reads anything, and another
     # stage's folder is refused before anything in it changes
     with StageOutput(out_dir, stage="prepare") as output:
-        info = resolve(verifier)
-        files, report, named = open_source(data, strict=strict)
+        info = resolve(c.verifier)
+        files, report, named = open_source(c.data, strict=c.strict)
         if named is not None and named.prompt_only:
             raise EyasError(
-                f"{data} is a prompt-only set (no assistant answers to learn from): "
+                f"{c.data} is a prompt-only set (no assistant answers to learn from): "
                 f"have the verifier answer it first "
-                f"(`eyas regenerate --verifier {verifier} --data {data} --out DIR`), then prepare DIR"
+                f"(`eyas regenerate --verifier {c.verifier} --data {c.data} --out DIR`), then prepare DIR"
             )
-        tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
-        template = ChatTemplate(tok, where=chat_template or info.path)
+        tok = load_tokenizer(info, trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)
+        template = ChatTemplate(tok, where=c.chat_template or info.path)
         inputs: dict[str, Any] = {
             "verifier": fingerprint(info),
             "chat_template_sha256": template.sha256,
             "data": {"source": report.source, "sha256": source_sha256(files)},
         }
-        if trust_remote_code:
+        if c.trust_remote_code:
             inputs["remote_code"] = remote_code_hashes(info)
-        settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
-                    "on_overflow": on_overflow}  # fmt: skip
+        settings = {"max_seq_len": c.max_seq_len, "max_samples": c.max_samples, "seed": c.seed, "strict": c.strict,
+                    "on_overflow": c.on_overflow}  # fmt: skip
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
         if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
             return manifest
-        num_proc = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                else os.cpu_count() or 1)  # fmt: skip
+        workers = c.num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else os.cpu_count() or 1)  # fmt: skip
 
-        convs = list(iter_conversations(files, report, max_samples=max_samples, seed=seed))
-        job = _Job(template, max_seq_len, on_overflow)
+        convs = list(iter_conversations(files, report, max_samples=c.max_samples, seed=c.seed))
+        job = _Job(template, c.max_seq_len, c.on_overflow)
         chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]
         parts = _Parts(out_dir, sha256_json({"inputs": inputs, "settings": settings})[:16], len(chunks))
         started = time.perf_counter()
@@ -380,9 +376,9 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             finished = {p: s for p in range(parts.n) if (s := parts.done(p)) is not None}
             for p in sorted(finished):  # resumed: what an earlier run finished
                 account(finished[p])
-            tasks = [(i, c) for i, c in enumerate(chunks) if i // PART not in finished]
+            tasks = [(i, chunk) for i, chunk in enumerate(chunks) if i // PART not in finished]
             pending: dict[int, list[dict[str, Any]]] = {}
-            for i, res in _run(job, tasks, num_proc):
+            for i, res in _run(job, tasks, workers):
                 p = i // PART
                 pending.setdefault(p, []).append(res)
                 if len(pending[p]) == min(PART, len(chunks) - p * PART):
@@ -402,16 +398,16 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             "tokens": totals["tokens"],
             "masked_tokens": totals["masked"],
             "rows_in": report.rows_in,
-            "rows_sampled": min(max_samples, report.rows_in) if max_samples else report.rows_in,
+            "rows_sampled": min(c.max_samples, report.rows_in) if c.max_samples else report.rows_in,
             "dropped_by_reason": {k: counts[k] for k in DROPS if counts[k]},
             "truncated_rows": counts["truncated"],
             "rows_split_at_turn_boundaries": totals["splits"],
         }
         manifest = output.finish(
             outputs=outputs, report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
-            chat_template=chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
+            chat_template=c.chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
             timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
-                    "num_proc": num_proc, "resumed_parts": len(finished)},
+                    "num_proc": workers, "resumed_parts": len(finished)},
         )  # fmt: skip
         parts.remove()
     _print_summary(out_dir, outputs, report)

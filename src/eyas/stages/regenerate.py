@@ -168,32 +168,25 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     from eyas.verifier.load import load_tokenizer
     from eyas.verifier.info import fingerprint, resolve
 
-    verifier, data, out, max_new_tokens, max_seq_len = c.verifier, c.data, c.out, c.max_new_tokens, c.max_seq_len
-    max_samples, max_turns, temperature, seed = c.max_samples, c.max_turns, c.temperature, c.seed
-    batch_tokens, device, device_map, dtype, server = c.batch_tokens, c.device, c.device_map, c.dtype, c.server
-    server_model, api_key_env, concurrency = c.server_model, c.api_key_env, c.concurrency
-    server_timeout, strict, trust_remote_code = c.server_timeout, c.strict, c.trust_remote_code
-    chat_template = c.chat_template
+    check_out(c.out, stage="regenerate")  # another stage's folder, refused before the verifier loads (and again below)
+    dev, dt = device_and_dtype(c.device, c.dtype)
 
-    check_out(out, stage="regenerate")  # another stage's folder, refused before the verifier loads (and again below)
-    dev, dt = device_and_dtype(device, dtype)
-
-    info = resolve(verifier)
-    files, _, _ = open_source(data)
-    tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
-    template = ChatTemplate(tok, where=chat_template or str(info.path))  # refuses one eyas could not mask afterwards
+    info = resolve(c.verifier)
+    files, _, _ = open_source(c.data)
+    tok = load_tokenizer(info, trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)
+    template = ChatTemplate(tok, where=c.chat_template or str(info.path))  # refuses one eyas could not mask afterwards
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
-              "data": {"source": str(data), "sha256": source_sha256(files)}}  # fmt: skip
-    settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
-                "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict,
+              "data": {"source": str(c.data), "sha256": source_sha256(files)}}  # fmt: skip
+    settings = {"max_new_tokens": c.max_new_tokens, "max_seq_len": c.max_seq_len, "max_samples": c.max_samples,
+                "max_turns": c.max_turns, "temperature": c.temperature, "seed": c.seed, "strict": c.strict,
                 "loops": c.loops, "repetition_penalty": c.repetition_penalty}  # fmt: skip
-    if server:  # where the answers come from (a URL's user:password part is never recorded)
-        settings["server"] = {"url": without_credentials(server), "model": server_model}
+    if c.server:  # where the answers come from (a URL's user:password part is never recorded)
+        settings["server"] = {"url": without_credentials(c.server), "model": c.server_model}
     else:  # precision moves greedy answers by a token now and then
         settings["dtype"] = str(dt).removeprefix("torch.")
-    out_dir = Path(out)
-    with dist.init(device_type="cuda" if dev.type == "cuda" and not server else "cpu") as d:
-        if device_map is not None and d.active:
+    out_dir = Path(c.out)
+    with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
+        if c.device_map is not None and d.active:
             raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "
                             "torchrun (or run one process)")  # fmt: skip
         with StageOutput(out_dir, stage="regenerate", d=d) as output:
@@ -219,21 +212,17 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                           "conversations); skipping")  # fmt: skip
                 return manifest
             d.barrier("start of regeneration")
-            prompts, report = load_prompts(data, max_samples=max_samples, seed=seed, strict=strict)
+            prompts, report = load_prompts(c.data, max_samples=c.max_samples, seed=c.seed, strict=c.strict)
             finished = read_journals(parts)
             todo = [i for i in range(d.rank, len(prompts), d.world_size) if i not in finished]
             started = time.perf_counter()
             new_tokens = 0
             if todo:
-                backend = _backend(server=server, server_model=server_model, api_key_env=api_key_env,
-                                   concurrency=concurrency, server_timeout=server_timeout, info=info, tok=tok, device=dev, device_map=device_map,
-                                   dtype=dt, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
-                                   batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d,
-                                   repetition_penalty=c.repetition_penalty)  # fmt: skip
+                backend = _backend(c, info=info, tok=tok, device=dev, dtype=dt, d=d)
                 mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
                 desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
                 with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
-                    new_tokens = _converse(prompts, todo, backend, max_turns=max_turns, journal=journal,
+                    new_tokens = _converse(prompts, todo, backend, max_turns=c.max_turns, journal=journal,
                                            done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
                                            loops=LoopPolicy(c.loops, tok))  # fmt: skip
             seconds = max(d.all_gather(time.perf_counter() - started))
@@ -262,7 +251,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                                         f"or its prompt too long ({totals['prompt_too_long']})")  # fmt: skip
                 outputs = {"prompts": len(prompts), "rows_in": report.rows_in, **totals}
                 m = output.finish(
-                    outputs=outputs, report=report.to_json(), verifier_path=str(info.path), chat_template=chat_template,
+                    outputs=outputs, report=report.to_json(), verifier_path=str(info.path),
+                    chat_template=c.chat_template,
                     timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
                             "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip
@@ -403,20 +393,21 @@ def _request_seed(seed: int, i: int, turn: int) -> int:
     return (seed * 1_000_003 + i) * 1_009 + turn
 
 
-def _backend(*, server, server_model, api_key_env, concurrency, server_timeout, info, tok, device, device_map, dtype,
-             max_new_tokens, max_seq_len, batch_tokens, temperature, seed, d, repetition_penalty=1.0):  # fmt: skip
-    if server:
-        return ServerBackend(Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed, concurrency=concurrency, api_key_env=api_key_env,
-                                    timeout=server_timeout))  # fmt: skip
+def _backend(c: RegenerateConfig, *, info, tok, device, dtype, d):
+    """Where ``c``'s answers come from: its ``--server``, or the verifier loaded here on ``device`` in ``dtype``
+    (resolved from ``c``)."""
+    if c.server:
+        return ServerBackend(Server(c.server, c.server_model, max_new_tokens=c.max_new_tokens,
+                                    temperature=c.temperature, seed=c.seed, concurrency=c.concurrency,
+                                    api_key_env=c.api_key_env, timeout=c.server_timeout))  # fmt: skip
     from eyas.engine.generate import default_batch_tokens
     from eyas.verifier.load import build_text_model
 
-    where = None if device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
-    model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
-    budget = batch_tokens or default_batch_tokens(model, max_len=max_seq_len)
-    return LocalBackend(model, tok, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, batch_tokens=budget,
-                        temperature=temperature, seed=seed, repetition_penalty=repetition_penalty)  # fmt: skip
+    where = None if c.device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
+    model = build_text_model(info, dtype=dtype, device=where, device_map=c.device_map)
+    budget = c.batch_tokens or default_batch_tokens(model, max_len=c.max_seq_len)
+    return LocalBackend(model, tok, max_new_tokens=c.max_new_tokens, max_seq_len=c.max_seq_len, batch_tokens=budget,
+                        temperature=c.temperature, seed=c.seed, repetition_penalty=c.repetition_penalty)  # fmt: skip
 
 
 class LocalBackend:

@@ -36,7 +36,7 @@ from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, SHARE, 
 from eyas.training.loss import CHUNK_TOKENS, TargetHead
 from eyas.training.precision import use_working_weights
 from eyas.training.log import METRICS, PLOT, accuracy_measure, plot_curves, print_summary
-from eyas.training.trainer import CHECKPOINTS, Options, Trainer, compile_draft, save_output
+from eyas.training.trainer import CHECKPOINTS, Trainer, compile_draft, save_output
 
 STAGE = "train"
 
@@ -289,8 +289,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute_dtype = torch.bfloat16 if cuda else torch.float32
     fp = fingerprint(info)
-    ttt_steps, max_len = c.ttt_steps, c.max_seq_len
-    batch_tokens = c.batch_tokens or max_len
+    batch_tokens = c.batch_tokens or c.max_seq_len
 
     # ---- inputs, all checked before anything runs
     if c.device_map is not None and (not c.online or d.active):
@@ -335,12 +334,12 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
     if c.dist == "fsdp" and c.optimizer == "muon" and d.active:
         raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
-    check_batch_memory(max_len=max_len, batch_tokens=batch_tokens, grad_accum=c.grad_accum, hidden=info.hidden_size,
-                       dtype=compute_dtype, where=where)  # fmt: skip
+    check_batch_memory(max_len=c.max_seq_len, batch_tokens=batch_tokens, grad_accum=c.grad_accum,
+                       hidden=info.hidden_size, dtype=compute_dtype, where=where)  # fmt: skip
 
     flat, offsets = source.masks()
-    lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)
-    truncated = int((np.diff(offsets) > max_len).sum())
+    lengths, counts = row_counts(flat, offsets, max_len=c.max_seq_len, ttt_steps=c.ttt_steps)
+    truncated = int((np.diff(offsets) > c.max_seq_len).sum())
     perm = np.random.default_rng(c.seed).permutation(len(lengths))
     n_val = int(round(len(lengths) * c.val_ratio)) if c.val_ratio > 0 else 0
     n_val = min(max(n_val, 1 if c.val_ratio > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
@@ -463,18 +462,10 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
 
             archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
                 if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
-        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs, "ttt_steps": ttt_steps}
-        o = Options(epochs=c.epochs, lr=c.lr, max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
-                    grad_accum=c.grad_accum, ttt_steps=ttt_steps,
-                    step_weights=[c.step_loss_decay ** k for k in range(ttt_steps)], warmup_steps=c.warmup_steps,
-                    schedule=c.schedule, weight_decay=c.weight_decay, clip=c.clip, seed=c.seed,
-                    optimizer=c.optimizer, drop_out_of_vocab=c.drop_out_of_vocab, num_workers=c.num_workers,
-                    save_every=c.save_every, keep_checkpoints=c.keep_checkpoints, log_every=c.log_every,
-                    max_steps=c.max_steps, profile_every=c.profile_every,
-                    deferred_wgrad=deferred, loss_chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
-        trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
-                          verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
-                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=c.dist, compiled=compiled,
+        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs, "ttt_steps": c.ttt_steps}
+        trainer = Trainer(c, d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
+                          verifier_model=verifier_model, layer_ids=layer_ids, rows_train=rows_train, rows_val=rows_val,
+                          lengths=lengths, counts=counts, compiled=compiled, deferred_wgrad=deferred,
                           fingerprint=run_id, save_meta=save_meta,
                           loader_embed=draft.embed_tokens.weight.detach() if on_host else None)  # fmt: skip
         if d.is_main:
@@ -484,7 +475,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
                   f"{d.world_size} rank(s) x {c.grad_accum} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
                   f"trainable parameters, vocab {len(d2t)}/{info.vocab_size}, layers {layer_ids}, "
                   f"{'online' if c.online else 'offline'}, {where}"
-                  + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
+                  + (f"; {truncated} row(s) truncated to {c.max_seq_len}" if truncated else "")
                   + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
         result = trainer.run()
         # what the defaults resolved to on this machine (the settings record what was asked for)
@@ -495,7 +486,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         val = result["val"]
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
-            plot_curves(out, ttt_steps, accuracy=accuracy)
+            plot_curves(out, c.ttt_steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
             summary.update(train=result["train"], val=val, accuracy=accuracy, truncated_rows=truncated,

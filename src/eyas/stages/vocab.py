@@ -107,44 +107,43 @@ def run(c: VocabConfig) -> dict[str, Any]:
     """Run `eyas vocab` as ``c`` describes (see :class:`VocabConfig`)."""
     from eyas.training.batches import PreparedRows
 
-    data, out, draft_vocab_size, count = c.data, c.out, c.draft_vocab_size, c.count
-    source = PreparedRows(data)
+    source = PreparedRows(c.data)
     prepared = source.manifest
     V = int(prepared.get("vocab_size") or 0)
     if V <= 0:
-        raise EyasError(f"{Path(data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
-    n = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, V)
+        raise EyasError(f"{Path(c.data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
+    n = c.draft_vocab_size if c.draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, V)
     if not 1 <= n <= V:
         raise EyasError(
             f"--draft-vocab-size {n} must be between 1 and the verifier vocab size {V} "
             f"(the draft vocab is a subset of the verifier's)"
         )
     if len(source) == 0:
-        raise EyasError(f"{data} holds no rows: there is nothing to count; prepare more data")
+        raise EyasError(f"{c.data} holds no rows: there is nothing to count; prepare more data")
     identity = {k: prepared.get(k) for k in ("stage", "inputs", "settings", "outputs")}
     inputs = {
         "prepared_sha256": sha256_json(identity),
         "verifier": prepared.get("inputs", {}).get("verifier"),
         "chat_template_sha256": prepared.get("inputs", {}).get("chat_template_sha256"),
     }
-    settings = {"draft_vocab_size": n, "count": count}
-    out_dir = Path(out)
+    settings = {"draft_vocab_size": n, "count": c.count}
+    out_dir = Path(c.out)
     with StageOutput(out_dir, stage="vocab") as output:
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy", "t2d.npy"))
         if manifest is not None:
             print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
             return manifest
-        masked, every = count_tokens(source.ds, V, where=str(data))
-        counts = masked if count == "masked" else every
+        masked, every = count_tokens(source.ds, V, where=str(c.data))
+        counts = masked if c.count == "masked" else every
         if counts.sum() == 0:
-            raise EyasError(f"{data} has no {'loss-masked ' if count == 'masked' else ''}tokens to count")
+            raise EyasError(f"{c.data} has no {'loss-masked ' if c.count == 'masked' else ''}tokens to count")
         selected = select_draft_vocab(counts, n)
         d2t, t2d = mapping(selected, V)
         for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
             with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
                 np.save(f, arr, allow_pickle=False)
         outputs = _coverage(masked, every, t2d, counts)
-        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(data))
+        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(c.data))
     print(
         f"vocab: draft vocab {n:,} of {V:,} target tokens -> {out_dir}\n"
         f"  covers {outputs['masked_coverage']:.2%} of {outputs['masked_tokens']:,} masked tokens "
