@@ -195,3 +195,33 @@ def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, s
         check(str(cfg))
     assert str(e.value).startswith(f"{cfg}: [{stage}] ") and message in str(e.value), str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+#: The fields each stage's manifest records as settings (beside what the stage resolves or derives: train's draft
+#: shape and world size, extract's layer ids): earlier manifests hold these names, so an unchanged command run
+#: again is still up to date. Every other field is marked `recorded=False`: a run control or an input.
+RECORDED = {
+    "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "max_attempts",
+                "seed"},
+    "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops",
+                   "repetition_penalty", "seed", "strict"},
+    "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow"},
+    "vocab": {"draft_vocab_size", "count"},
+    "extract": {"dtype", "shard_tokens"},
+    "train": {"online", "epochs", "lr", "max_seq_len", "batch_tokens", "grad_accum", "ttt_steps", "step_loss_decay",
+              "val_ratio", "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
+              "drop_out_of_vocab", "full_vocab_accuracy", "dist", "verifier_name", "max_steps"},
+    "export": {"format", "from_format", "verifier_name", "speculative_tokens", "include_embeddings", "dtype"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", list(RECORDED))
+def test_a_manifest_records_the_fields_not_marked_otherwise(stage):
+    from eyas.core.config import recorded_settings
+
+    config = CONFIGS[stage]
+    assert {f.name for f in dataclasses.fields(config) if f.metadata["recorded"]} == RECORDED[stage]
+    c = config(**{f.name: "x" for f in dataclasses.fields(config)
+                  if default_of(f) is dataclasses.MISSING or f.name in ("verifier", "data", "out")})  # fmt: skip
+    assert recorded_settings(c, world_size=1, seed=7) == {
+        **{name: getattr(c, name) for name in RECORDED[stage]}, "world_size": 1, "seed": 7}  # fmt: skip

@@ -46,7 +46,7 @@ from eyas.draft.checkpoint import (
     write_checkpoint,
 )
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.draft.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_1
@@ -95,6 +95,7 @@ class ExportConfig(StageConfig):
     stage: ClassVar[str] = "export"
 
     draft: str = option(
+        recorded=False,
         positional=True,
         aliases=(),
         help="the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).",
@@ -156,9 +157,7 @@ def run(c: ExportConfig) -> dict[str, Any]:
     info = resolve(c.verifier) if c.verifier else None
     sources = draft_files(src, c.from_format)
     inputs = {"draft": {p.name: sha256_file(p) for p in sources}, "verifier": fingerprint(info) if info else None}
-    settings = {"format": c.format, "from_format": c.from_format or "native", "verifier_name": c.verifier_name,
-                "speculative_tokens": c.speculative_tokens, "include_embeddings": c.include_embeddings,
-                "dtype": c.dtype}  # fmt: skip
+    settings = recorded_settings(c, from_format=c.from_format or "native")
     with StageOutput(dst, stage="export") as output:
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(CONFIG,))
         if manifest is not None:

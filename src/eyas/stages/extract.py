@@ -31,7 +31,7 @@ import torch
 from eyas.data import features
 from eyas.training.batches import PreparedRows
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
 from eyas.core.validate import TOKENS
 from eyas.engine.extractor import WINDOW_SHARDS, Extractor
@@ -167,13 +167,18 @@ class ExtractConfig(StageConfig):
     stage: ClassVar[str] = "extract"
 
     verifier: str | None = fields.verifier("; the prepared rows must be for it.", default=None)
-    data: str | None = option(None, help="a directory written by `eyas prepare`.")
+    data: str | None = option(None, recorded=False, help="a directory written by `eyas prepare`.")
     out: str | None = fields.out(" for the feature shards.", default=None)
     layers: list[int] | None = option(
-        None, help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3]."
+        None,
+        recorded=False,
+        help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3].",
     )
     batch_tokens: int | None = option(
-        None, range=TOKENS, help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU)."
+        None,
+        recorded=False,
+        range=TOKENS,
+        help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU).",
     )
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = option(
         "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes)."
@@ -182,10 +187,10 @@ class ExtractConfig(StageConfig):
     device_map: str | dict[str, Any] | None = fields.device_map()
     shard_tokens: int | None = option(None, range=TOKENS, help="tokens per shard (default: shards of at most 1 GiB).")
     speculators_out: str | None = option(
-        None, help="also write the features in speculators' offline layout to this directory."
+        None, recorded=False, help="also write the features in speculators' offline layout to this directory."
     )
     verify: str | None = option(
-        None, help="check the shards of this finished output against its manifest (hashes) and exit."
+        None, recorded=False, help="check the shards of this finished output against its manifest (hashes) and exit."
     )
 
     def check(self) -> None:
@@ -262,9 +267,9 @@ def _extract(d, c: ExtractConfig) -> dict[str, Any]:
     # the template the rows were rendered with travels on, so train records it and eval can compare it
     inputs = {"verifier": fp, "data": source.extracted_from(),
               "chat_template_sha256": (pmanifest.get("inputs") or {}).get("chat_template_sha256")}  # fmt: skip
-    settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": c.dtype, "last_hidden_normed": False,
-                "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens,
-                "window_shards": WINDOW_SHARDS}  # fmt: skip
+    settings = recorded_settings(c, format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False,
+                                 compute_dtype=str(compute_dtype).removeprefix("torch."), shard_tokens=shard_tokens,
+                                 window_shards=WINDOW_SHARDS)  # fmt: skip
     plan = sha256_json({"inputs": inputs, "settings": settings})
 
     with StageOutput(out, stage=STAGE, d=d) as output:

@@ -44,7 +44,7 @@ import pyarrow as pa
 
 from eyas.data.chat import ChatTemplate, TemplateSplitError
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN
@@ -294,8 +294,9 @@ class PrepareConfig(StageConfig):
 
     verifier: str = fields.verifier("; its tokenizer and chat template are used.")
     data: str = option(
+        recorded=False,
         help="a .json/.jsonl/.parquet file or a folder of them (ShareGPT or OpenAI layout), or a named "
-        "set: sharegpt, mt-bench, humaneval."
+        "set: sharegpt, mt-bench, humaneval.",
     )
     out: str = fields.out()
     max_seq_len: int = option(2048, range=SEQ_LEN, help="the most tokens a row may have.")
@@ -310,7 +311,7 @@ class PrepareConfig(StageConfig):
         "dropped (drop).",
     )
     num_proc: int | None = option(
-        None, range=AT_LEAST_1, help="worker processes for tokenization (default: every core)."
+        None, recorded=False, range=AT_LEAST_1, help="worker processes for tokenization (default: every core)."
     )
     trust_remote_code: bool = fields.trust_remote_code(" (recorded by hash).")
     chat_template: str | None = fields.chat_template(". Give the same to eval.")
@@ -344,8 +345,7 @@ def run(c: PrepareConfig) -> dict[str, Any]:
         }
         if c.trust_remote_code:
             inputs["remote_code"] = remote_code_hashes(info)
-        settings = {"max_seq_len": c.max_seq_len, "max_samples": c.max_samples, "seed": c.seed, "strict": c.strict,
-                    "on_overflow": c.on_overflow}  # fmt: skip
+        settings = recorded_settings(c)
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
         if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import PROMPTS
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, TOKENS
@@ -77,6 +77,7 @@ class PromptsConfig(StageConfig):
     )
     batch_tokens: int | None = option(
         None,
+        recorded=False,
         range=TOKENS,
         help="the decoding budget in tokens of key/value cache (default: 40% of "
         "the free GPU memory; 16k tokens on CPU).",
@@ -167,9 +168,7 @@ def run(c: PromptsConfig) -> dict[str, Any]:
     prefix_ids = tok(prefix, add_special_tokens=False)["input_ids"]
     max_attempts = c.max_attempts or 4 * c.num_prompts
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256}
-    settings = {"num_prompts": c.num_prompts, "temperature": c.temperature, "top_p": c.top_p,
-                "max_new_tokens": c.max_new_tokens, "min_words": c.min_words, "system": c.system,
-                "max_attempts": max_attempts, "seed": c.seed, "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
+    settings = recorded_settings(c, max_attempts=max_attempts, dtype=str(dt).removeprefix("torch."))
     out_dir = Path(c.out)
     with StageOutput(out_dir, stage="prompts") as output:
         finished = output.up_to_date(inputs=inputs, settings=settings, files=(PROMPTS,))

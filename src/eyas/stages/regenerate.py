@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Literal
 
 from eyas.core import dist
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import CONVERSATIONS
 from eyas.core.errors import EyasError
 from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, TOKENS
@@ -63,9 +63,10 @@ class RegenerateConfig(StageConfig):
 
     verifier: str = fields.verifier("; it writes the answers through its own chat template.")
     data: str = option(
+        recorded=False,
         help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
         "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
-        "comma-separated: sharegpt,runs/x/prompts."
+        "comma-separated: sharegpt,runs/x/prompts.",
     )
     out: str = fields.out()
     max_new_tokens: int = option(
@@ -106,6 +107,7 @@ class RegenerateConfig(StageConfig):
     seed: int = option(0, range=AT_LEAST_0, help="the seed of the sample and of the sampling.")
     batch_tokens: int | None = option(
         None,
+        recorded=False,
         range=TOKENS,
         help="the decoding budget in tokens of key/value cache (sequences decoded "
         "together = this // --max-seq-len); it fixes the memory whatever the "
@@ -114,25 +116,31 @@ class RegenerateConfig(StageConfig):
     device: str | None = fields.device()
     device_map: str | dict[str, Any] | None = fields.device_map()
     dtype: str = fields.dtype()
+    # --server and --server-model are recorded as one setting, the URL without its credentials and the model
     server: str | None = option(
         None,
+        recorded=False,
         help="instead of loading the verifier, ask an OpenAI-compatible server that "
         "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
         "verifier's tokenizer and chat template are still read here (prepare needs "
         "them); the server must serve that same model.",
     )
     server_model: str | None = option(
-        None, help="the model name to ask the server for (default: the first one it lists)."
+        None, recorded=False, help="the model name to ask the server for (default: the first one it lists)."
     )
     api_key_env: str = option(
         "OPENAI_API_KEY",
+        recorded=False,
         help="the environment variable holding the server's API key, if it "
         "needs one (the key is sent only in the request header, never "
         "written).",
     )
-    concurrency: int = option(16, range=AT_LEAST_1, help="with --server, the requests in flight at once.")
+    concurrency: int = option(
+        16, recorded=False, range=AT_LEAST_1, help="with --server, the requests in flight at once."
+    )
     server_timeout: float = option(
         600.0,
+        recorded=False,
         range=ABOVE_0,
         help="the seconds one --server answer may take before it is retried (each "
         "is retried 6 times with backoff, as the openai client does): long "
@@ -177,13 +185,10 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     template = ChatTemplate(tok, where=c.chat_template or str(info.path))  # refuses one eyas could not mask afterwards
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
               "data": {"source": str(c.data), "sha256": source_sha256(files)}}  # fmt: skip
-    settings = {"max_new_tokens": c.max_new_tokens, "max_seq_len": c.max_seq_len, "max_samples": c.max_samples,
-                "max_turns": c.max_turns, "temperature": c.temperature, "seed": c.seed, "strict": c.strict,
-                "loops": c.loops, "repetition_penalty": c.repetition_penalty}  # fmt: skip
     if c.server:  # where the answers come from (a URL's user:password part is never recorded)
-        settings["server"] = {"url": without_credentials(c.server), "model": c.server_model}
+        settings = recorded_settings(c, server={"url": without_credentials(c.server), "model": c.server_model})
     else:  # precision moves greedy answers by a token now and then
-        settings["dtype"] = str(dt).removeprefix("torch.")
+        settings = recorded_settings(c, dtype=str(dt).removeprefix("torch."))
     out_dir = Path(c.out)
     with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
         if c.device_map is not None and d.active:

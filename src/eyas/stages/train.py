@@ -30,7 +30,7 @@ import torch
 
 from eyas.training.batches import FeatureRows, PreparedRows, load_vocab, row_counts
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
 from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, SHARE, TOKENS
 from eyas.training.loss import CHUNK_TOKENS, TargetHead
@@ -53,6 +53,7 @@ class TrainConfig(StageConfig):
 
     verifier: str = fields.verifier(aliases=("--verifier-path",))
     data: str = option(
+        recorded=False,
         aliases=("--data-dir",),
         help="features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.",
     )
@@ -62,6 +63,7 @@ class TrainConfig(StageConfig):
     )
     vocab: str | None = option(
         None,
+        recorded=False,
         aliases=("--vocab-mapping-dir",),
         help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the whole verifier vocab.",
     )
@@ -69,7 +71,9 @@ class TrainConfig(StageConfig):
         False, help="run the verifier in the loop on prepared rows (nothing written to disk but the draft)."
     )
     layers: list[int] | None = option(
-        None, help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3]."
+        None,
+        recorded=False,
+        help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3].",
     )
     epochs: int = option(10, range=AT_LEAST_1, help="passes over the training rows.")
     lr: float = option(1e-4, range=ABOVE_0, help="peak learning rate.")
@@ -89,7 +93,7 @@ class TrainConfig(StageConfig):
         1.0, range=AT_LEAST_0, help="weight of TTT step k is decay**k (1: every step equally)."
     )
     val_ratio: float = option(0.02, range=SHARE, help="share of rows held out for validation at each epoch's end.")
-    num_workers: int = option(2, range=AT_LEAST_0, help="DataLoader worker processes.")
+    num_workers: int = option(2, recorded=False, range=AT_LEAST_0, help="DataLoader worker processes.")
     warmup_steps: int | None = option(None, range=AT_LEAST_0, help="linear warmup steps (default: 3% of all steps).")
     schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="learning-rate decay after warmup.")
     weight_decay: float = option(0.0, range=AT_LEAST_0, help="AdamW weight decay on matrices (norms never decay).")
@@ -98,10 +102,15 @@ class TrainConfig(StageConfig):
         0, range=AT_LEAST_0, help="seeds the draft's init, the validation split and each epoch's packing order."
     )
     save_every: int = option(
-        1000, range=AT_LEAST_0, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there)."
+        1000,
+        recorded=False,
+        range=AT_LEAST_0,
+        help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).",
     )
-    keep_checkpoints: int = option(2, range=AT_LEAST_1, help="how many checkpoints to keep.")
-    log_every: int = option(10, range=AT_LEAST_1, help="log metrics (and sync the device) every N steps.")
+    keep_checkpoints: int = option(2, recorded=False, range=AT_LEAST_1, help="how many checkpoints to keep.")
+    log_every: int = option(
+        10, recorded=False, range=AT_LEAST_1, help="log metrics (and sync the device) every N steps."
+    )
     optimizer: Literal["adamw", "muon"] = option(
         "adamw", help="adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head)."
     )
@@ -124,15 +133,20 @@ class TrainConfig(StageConfig):
     device_map: str | dict[str, Any] | None = fields.device_map(
         "; with --online only, while the draft trains on --device."
     )
-    compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
+    # how a step runs, not what it computes (not recorded), from here to --loader-embeddings
+    compile: bool | None = option(
+        None, recorded=False, help="torch.compile the draft layer and the loss (default: on CUDA)."
+    )
     gradient_checkpointing: bool = option(
         False,
+        recorded=False,
         help="recompute each TTT step's layer in backward: far less "
         "activation memory (long sequences, big drafts) for about a "
         "third more layer compute.",
     )
     working_weights: bool | None = option(
         None,
+        recorded=False,
         help="compute with working copies of the weights cast once per "
         "optimizer step, the weight gradients coming out of their "
         "matmuls in fp32 (default: on, except under --dist fsdp, which "
@@ -140,6 +154,7 @@ class TrainConfig(StageConfig):
     )
     deferred_wgrad: bool | None = option(
         None,
+        recorded=False,
         help="with working weights, accumulate each layer weight's gradient "
         "over the TTT steps in one fp32 buffer by its matmuls, handing "
         "autograd the sum once instead of forming one gradient per step "
@@ -149,53 +164,67 @@ class TrainConfig(StageConfig):
     )
     loader_embeddings: bool | None = option(
         None,
+        recorded=False,
         help="keep the frozen embedding in host memory and let the data "
         "loader look each batch's rows up, instead of holding the "
         "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
         "at Kimi-K2.5's; default: on for offline training on CUDA with "
         "loader workers and without --dist fsdp).",
     )
+    # the draft's shape, from here to --head-dim (and --layers): recorded as the DraftConfig it makes
     norm_before_residual: bool = option(
         False,
+        recorded=False,
         help="layout variant: residual = hidden_norm(h) (speculators' default; served by vLLM, by no SGLang release).",
     )
     norm_before_fc: bool = option(
         False,
+        recorded=False,
         help="layout variant: one RMSNorm over the three concatenated aux states "
         "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
         "0.5.17).",
     )
     fc_norm: bool = option(
         False,
+        recorded=False,
         help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
         "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
     )
     norm_output: bool = option(
         False,
+        recorded=False,
         help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
         "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
     )
     draft_arch: Literal["llama", "qwen3"] = option(
         "llama",
+        recorded=False,
         help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
         "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).",
     )
     num_layers: int = option(
         1,
+        recorded=False,
         help="draft decoder layers: the first reads the token embedding and the hidden state, "
         "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
         ">= 0.5.12).",
     )
-    intermediate_size: int | None = option(None, range=AT_LEAST_1, help="draft MLP width (default: the verifier's).")
+    intermediate_size: int | None = option(
+        None, recorded=False, range=AT_LEAST_1, help="draft MLP width (default: the verifier's)."
+    )
     num_attention_heads: int | None = option(
-        None, range=AT_LEAST_1, help="draft query heads (default: the verifier's; MLA verifiers: as many)."
+        None,
+        recorded=False,
+        range=AT_LEAST_1,
+        help="draft query heads (default: the verifier's; MLA verifiers: as many).",
     )
     num_key_value_heads: int | None = option(
-        None, range=AT_LEAST_1, help="draft KV heads (default: the verifier's; MLA verifiers: 8)."
+        None, recorded=False, range=AT_LEAST_1, help="draft KV heads (default: the verifier's; MLA verifiers: 8)."
     )
     head_dim: int | None = option(
-        None, range=AT_LEAST_1, help="draft head dim (default: the verifier's, or hidden / heads)."
+        None, recorded=False, range=AT_LEAST_1, help="draft head dim (default: the verifier's, or hidden / heads)."
     )
+    # (recorded: the name config.json records; another one is another output)
     verifier_name: str | None = option(
         None, help="verifier name_or_path written into config.json for vLLM (default: the --verifier path)."
     )
@@ -204,11 +233,13 @@ class TrainConfig(StageConfig):
     )
     profile_every: int = option(
         0,
+        recorded=False,
         range=AT_LEAST_0,
         help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.",
     )
     loss_chunk_tokens: int = option(
         CHUNK_TOKENS,
+        recorded=False,
         range=AT_LEAST_1,
         help="positions per chunk of the fused loss (its logits buffer is "
         "this x the draft vocab); positions no TTT step scores "
@@ -350,30 +381,10 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
     if not len(rows_train):
         raise EyasError(f"{c.data} has no training row with a loss-masked token past position 1")
 
-    keys = (
-        "online",
-        "epochs",
-        "lr",
-        "max_seq_len",
-        "grad_accum",
-        "ttt_steps",
-        "step_loss_decay",
-        "val_ratio",
-        "warmup_steps",
-        "schedule",
-        "weight_decay",
-        "clip",
-        "seed",
-        "optimizer",
-        "freeze_lm_head",
-        "drop_out_of_vocab",
-        "full_vocab_accuracy",
-        "max_steps",
-        "verifier_name",
-    )  # fmt: skip  (the name config.json records: another one is another output)
-    settings = {k: getattr(c, k) for k in keys}
-    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
-                    draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
+    # the draft's shape (--layers, --num-layers, the layout variants) is recorded as the DraftConfig it makes
+    settings = recorded_settings(c, batch_tokens=batch_tokens, world_size=d.world_size,
+                                 dist=c.dist if d.active else None, draft=cfg.to_dict(),
+                                 compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
     inputs = {"verifier": fp, "data": source.identity(), "vocab": vocab_id,
               # the template the rows were rendered with, for `eyas eval` to compare (offline: through extract)
               "chat_template_sha256": source.manifest.get("inputs", {}).get("chat_template_sha256")}  # fmt: skip

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_1
 from eyas.core.files import atomic_path, sha256_json
@@ -93,7 +93,7 @@ class VocabConfig(StageConfig):
 
     stage: ClassVar[str] = "vocab"
 
-    data: str = option(help="an `eyas prepare` output directory.")
+    data: str = option(recorded=False, help="an `eyas prepare` output directory.")
     out: str = fields.out()
     draft_vocab_size: int | None = option(
         None, range=AT_LEAST_1, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
@@ -126,7 +126,7 @@ def run(c: VocabConfig) -> dict[str, Any]:
         "verifier": prepared.get("inputs", {}).get("verifier"),
         "chat_template_sha256": prepared.get("inputs", {}).get("chat_template_sha256"),
     }
-    settings = {"draft_vocab_size": n, "count": c.count}
+    settings = recorded_settings(c, draft_vocab_size=n)
     out_dir = Path(c.out)
     with StageOutput(out_dir, stage="vocab") as output:
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy", "t2d.npy"))
