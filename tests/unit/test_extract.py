@@ -313,7 +313,8 @@ def test_one_reader_of_prepared_rows(make_tiny, tmp_path):
     """Extraction and online training read prepared rows through one reader: the same rows, and the records
     each stage's manifest keeps of them come from one hashing of the Arrow files (eval matches one against the
     other to know whether features hold a draft's training rows)."""
-    from eyas.training.batches import PreparedRows, arrow_sha256
+    from eyas.data.prepared import arrow_sha256
+    from eyas.training.batches import PreparedRows
 
     rows = tiny.random_rows(5, seed=3)
     src = PreparedRows(_prepared(tmp_path / "prep", make_tiny("llama").path, rows))

@@ -162,7 +162,8 @@ def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
     """Whether FEATURES hold the rows a draft was trained on, row for row: the train manifest's ``inputs.data``
     names the features themselves (offline training) or the prepared rows they were extracted from (online:
     extract's ``arrow_sha256`` hashes the same files' sha256 digests, in order)."""
-    from eyas.training.batches import FeatureRows, arrow_sha256
+    from eyas.data.prepared import arrow_sha256
+    from eyas.training.batches import FeatureRows
 
     held = FeatureRows(features, dtype=torch.float32)
     if "features" in train_data:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from eyas.data import features
-from eyas.training.batches import PreparedRows
+from eyas.data.prepared import PreparedReader, prepared_verifier
 from eyas.core import fields
 from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
@@ -227,7 +227,6 @@ extract = stage_function(ExtractConfig, run, "extract")
 
 
 def _extract(d, c: ExtractConfig) -> dict[str, Any]:
-    from eyas.data.datasets import prepared_verifier
     from eyas.core.files import check_free_disk, human_bytes, sha256_json, write_json
     from eyas.core.manifest import StageOutput
     from eyas.verifier.load import build_text_model
@@ -237,7 +236,7 @@ def _extract(d, c: ExtractConfig) -> dict[str, Any]:
     if c.dtype not in STORAGE_DTYPES:
         raise EyasError(f"--dtype {c.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
     info = resolve(c.verifier)
-    source = PreparedRows(c.data)
+    source = PreparedReader(c.data)
     pmanifest = source.manifest
     fp = fingerprint(info)
     if prepared_verifier(pmanifest) != fp:

@@ -45,7 +45,8 @@ import pyarrow as pa
 from eyas.data.chat import ChatTemplate, TemplateSplitError
 from eyas.core import fields
 from eyas.core.config import StageConfig, option, recorded_settings, stage_function
-from eyas.data.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
+from eyas.data.datasets import DROPS, iter_conversations, open_source, source_sha256
+from eyas.data.prepared import PREPARED_ROWS, ROWS_SCHEMA, rows_table, write_rows
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN
 from eyas.core.files import atomic_path, sha256_json, write_json
@@ -254,7 +255,7 @@ class _Parts:
         return None
 
     def write(self, p: int, results: list[dict[str, Any]]) -> dict[str, Any]:
-        tables = [_rows_table(r["ids"], r["mask"], r["lens"], r["rows"]) for r in results]
+        tables = [rows_table(r["ids"], r["mask"], r["lens"], r["rows"]) for r in results]
         with atomic_path(self.path(p, "arrow")) as tmp, pa.OSFile(str(tmp), "wb") as sink:
             with pa.ipc.new_file(sink, ROWS_SCHEMA) as w:
                 for t in tables:
@@ -319,8 +320,6 @@ class PrepareConfig(StageConfig):
 
 def run(c: PrepareConfig) -> dict[str, Any]:
     """Run `eyas prepare` as ``c`` describes (see :class:`PrepareConfig`)."""
-    import datasets
-
     from eyas.verifier.load import load_tokenizer, remote_code_hashes
     from eyas.verifier.info import fingerprint, resolve
 
@@ -390,8 +389,7 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             )
         seconds = time.perf_counter() - started
         table = parts.table()
-        with atomic_path(out_dir / PREPARED_ROWS, is_dir=True) as tmp:
-            _save_quietly(datasets.Dataset(table), tmp)
+        write_rows(out_dir, table)
         counts = report.counts
         outputs = {
             "rows": table.num_rows,
@@ -415,36 +413,6 @@ def run(c: PrepareConfig) -> dict[str, Any]:
 
 
 prepare = stage_function(PrepareConfig, run, "prepare")
-
-
-def _save_quietly(ds, path: Path) -> None:
-    """``save_to_disk`` without its own progress bar (ours already covered the work)."""
-    from datasets.utils import logging as ds_logging
-
-    was = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
-    try:
-        ds.save_to_disk(str(path))
-    finally:
-        if was:
-            ds_logging.enable_progress_bar()
-
-
-ROWS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-                         ("seq_len", pa.int32()), ("row_id", pa.int64())])  # fmt: skip
-
-
-def _rows_table(ids: np.ndarray, mask: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> pa.Table:
-    """Prepared rows as an Arrow table: ragged rows as list arrays over flat values (no per-row Python)."""
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int32))
-    if offsets[-1].as_py() != len(ids):
-        raise AssertionError("row lengths do not add up to the token count")
-    return pa.table({
-        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids, type=pa.int32())),
-        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask, type=pa.int8())),
-        "seq_len": pa.array(lens, type=pa.int32()),
-        "row_id": pa.array(rows, type=pa.int64()),
-    }, schema=ROWS_SCHEMA)  # fmt: skip
 
 
 def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:

@@ -28,7 +28,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from eyas.training.batches import FeatureRows, PreparedRows, load_vocab, row_counts
+from eyas.data.vocab_map import load_vocab
+from eyas.training.batches import FeatureRows, PreparedRows, row_counts
 from eyas.core import fields
 from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
@@ -327,7 +328,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         raise EyasError("--device-map spreads the verifier of an --online run over the GPUs of one process; it "
                         "needs --online and no torchrun")  # fmt: skip
     if c.online:
-        from eyas.data.datasets import prepared_verifier
+        from eyas.data.prepared import prepared_verifier
 
         source = PreparedRows(c.data)
         if prepared_verifier(source.manifest) != fp:
