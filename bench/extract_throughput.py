@@ -48,11 +48,11 @@ from eyas.stages.extract import (
     WINDOW_SHARDS,
     Extractor,
     InMemoryRows,
-    PreparedRows,
     default_shard_tokens,
     plan_shards,
     plan_windows,
 )
+from eyas.training.batches import PreparedRows
 from eyas.verifier.info import check_aux_layer_ids as check_layer_ids
 from eyas.verifier.load import HiddenStateCapture, build_text_model, resolve, varying_shape_attention
 

@@ -318,12 +318,13 @@ def random_rows(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[tuple[list
 
 
 def write_prepared(path: Path, rows: list[tuple[list[int], list[int]]], *, verifier: Path) -> Path:
-    """Write prepared rows in the ``eyas prepare`` format (see ``eyas.data.datasets``) without a chat template,
+    """Write prepared rows in the ``eyas prepare`` format (see ``eyas.data.prepared``) without a chat template,
     for tests of later stages that need exact, hand-made token ids and loss masks."""
     import datasets
 
-    from eyas.data.datasets import PREPARED_ROWS
-    from eyas.core.manifest import atomic_path, write_manifest
+    from eyas.data.prepared import PREPARED_ROWS
+    from eyas.core.files import atomic_path
+    from eyas.core.manifest import write_manifest
     from eyas.verifier.info import fingerprint, resolve
 
     info = resolve(verifier)

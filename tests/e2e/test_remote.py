@@ -195,7 +195,7 @@ def test_reasoning_lands_where_the_qwen3_template_renders_it(served, tmp_path):
     from transformers import AutoTokenizer
 
     from eyas.stages.prepare import prepare
-    from eyas.data.datasets import load_prepared
+    from eyas.data.prepared import load_prepared
 
     host, models = served
     path = models["qwen3"]

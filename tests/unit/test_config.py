@@ -15,7 +15,7 @@ import pytest
 from eyas.cli import COMMANDS, _load, build_parser, flag_names
 from eyas.core.config import default_of, type_hints
 from eyas.core.errors import EyasError
-from eyas.core.validate import RANGES, unwrap_optional
+from eyas.core.validate import unwrap_optional
 from eyas.pipeline import check
 from eyas.stages import PIPELINE
 
@@ -66,19 +66,45 @@ def test_python_function_is_made_from_the_config(command):
 
 
 def test_one_name_one_meaning():
-    """A name shared by several stages has one range (the table in `eyas.core.validate`) and one type, except
-    `--dtype`, which names a different thing in each stage (stored features, compute, exported weights) and
-    says so in its help."""
+    """A name shared by several stages has one range (declared on its field) and one type, except `--dtype`,
+    which names a different thing in each stage (stored features, compute, exported weights) and says so in its
+    help."""
     kinds: dict[str, set] = {}
+    ranges: dict[str, set] = {}
     for config in CONFIGS.values():
-        for name, tp in type_hints(config).items():
-            base = unwrap_optional(tp)
-            kinds.setdefault(name, set()).add(typing.get_origin(base) or base)
+        for f in dataclasses.fields(config):
+            base = unwrap_optional(type_hints(config)[f.name])
+            kinds.setdefault(f.name, set()).add(typing.get_origin(base) or base)
+            ranges.setdefault(f.name, set()).add(f.metadata["range"])
     differ = {n: k for n, k in kinds.items() if len(k) > 1}
     assert set(differ) == {"dtype"}, differ
+    assert {n: r for n, r in ranges.items() if len(r) > 1} == {}
     numeric = {n for n, k in kinds.items() if k <= {int, float}}
     for name in ("ttt_steps", "batch_tokens", "max_seq_len", "epochs", "seed", "max_samples", "max_new_tokens"):
-        assert name in numeric and name in RANGES, name
+        assert name in numeric and ranges[name] != {None}, name
+
+
+#: Fields of these names that their stage declares itself, not `eyas.core.fields`: another thing under the name.
+OWN = {("plan", "verifier"), ("run", "verifier"), ("eval", "out"), ("run", "out"), ("demo", "out"),
+       ("extract", "dtype"), ("export", "dtype")}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["verifier", "trust_remote_code", "chat_template", "out", "device", "device_map",
+                                  "dtype"])  # fmt: skip
+def test_a_shared_argument_is_declared_once(name):
+    """`--verifier`, `--out`, `--chat-template` and the placement flags are each one declaration in
+    `eyas.core.fields` (its help, default and range), which every stage taking them uses; a stage adds words to
+    the help, or makes the argument optional."""
+    from eyas.core import fields
+
+    shared = getattr(fields, name)()
+    takers = [(command, f) for command, config in CONFIGS.items() for f in dataclasses.fields(config)
+              if f.name == name and (command, name) not in OWN]  # fmt: skip
+    assert len(takers) >= 2, takers
+    for command, f in takers:
+        assert f.metadata["help"].startswith(shared.metadata["help"].removesuffix(".")), (command, f.metadata["help"])
+        assert f.metadata["range"] == shared.metadata["range"], command
+        assert default_of(f) in (default_of(shared), None), command
 
 
 def test_python_api_values_are_checked_as_flags_are(make_tiny, tmp_path):
@@ -169,3 +195,33 @@ def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, s
         check(str(cfg))
     assert str(e.value).startswith(f"{cfg}: [{stage}] ") and message in str(e.value), str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+#: The fields each stage's manifest records as settings (beside what the stage resolves or derives: train's draft
+#: shape and world size, extract's layer ids): earlier manifests hold these names, so an unchanged command run
+#: again is still up to date. Every other field is marked `recorded=False`: a run control or an input.
+RECORDED = {
+    "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "max_attempts",
+                "seed"},
+    "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops",
+                   "repetition_penalty", "seed", "strict"},
+    "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow"},
+    "vocab": {"draft_vocab_size", "count"},
+    "extract": {"dtype", "shard_tokens"},
+    "train": {"online", "epochs", "lr", "max_seq_len", "batch_tokens", "grad_accum", "ttt_steps", "step_loss_decay",
+              "val_ratio", "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
+              "drop_out_of_vocab", "full_vocab_accuracy", "dist", "verifier_name", "max_steps"},
+    "export": {"format", "from_format", "verifier_name", "speculative_tokens", "include_embeddings", "dtype"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", list(RECORDED))
+def test_a_manifest_records_the_fields_not_marked_otherwise(stage):
+    from eyas.core.config import recorded_settings
+
+    config = CONFIGS[stage]
+    assert {f.name for f in dataclasses.fields(config) if f.metadata["recorded"]} == RECORDED[stage]
+    c = config(**{f.name: "x" for f in dataclasses.fields(config)
+                  if default_of(f) is dataclasses.MISSING or f.name in ("verifier", "data", "out")})  # fmt: skip
+    assert recorded_settings(c, world_size=1, seed=7) == {
+        **{name: getattr(c, name) for name in RECORDED[stage]}, "world_size": 1, "seed": 7}  # fmt: skip

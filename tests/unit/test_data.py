@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from eyas.stages import prepare as D
 from eyas.data.chat import ChatTemplate
 from eyas.cli import main as cli_main
-from eyas.data.datasets import load_prepared
+from eyas.data.prepared import load_prepared
 from eyas.core.errors import EyasError
 
 

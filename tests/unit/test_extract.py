@@ -109,7 +109,7 @@ def test_streamed_shard_is_standard_safetensors(tmp_path, dtype):
     from safetensors.torch import load_file
 
     from eyas.data.features import shard_tensors, write_shard
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     g = torch.Generator().manual_seed(0)
     lengths = [5, 0, 17, 1]
@@ -313,7 +313,8 @@ def test_one_reader_of_prepared_rows(make_tiny, tmp_path):
     """Extraction and online training read prepared rows through one reader: the same rows, and the records
     each stage's manifest keeps of them come from one hashing of the Arrow files (eval matches one against the
     other to know whether features hold a draft's training rows)."""
-    from eyas.training.batches import PreparedRows, arrow_sha256
+    from eyas.data.prepared import arrow_sha256
+    from eyas.training.batches import PreparedRows
 
     rows = tiny.random_rows(5, seed=3)
     src = PreparedRows(_prepared(tmp_path / "prep", make_tiny("llama").path, rows))
@@ -461,9 +462,9 @@ def test_refusals(make_tiny, tmp_path, monkeypatch):
         extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "u"))
     import shutil
 
-    from eyas.core import manifest
+    from eyas.core import files
 
-    monkeypatch.setattr(manifest.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
     with pytest.raises(EyasError, match="needs about"):
         extract(verifier=str(llama.path), data=str(prep), out=str(tmp_path / "e"))
     assert not list((tmp_path / "e").glob("rows_*"))

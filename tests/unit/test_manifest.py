@@ -10,16 +10,8 @@ from pathlib import Path
 import pytest
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import (
-    OutputLock,
-    StageOutput,
-    atomic_path,
-    check_free_disk,
-    manifest_matches,
-    read_manifest,
-    write_json,
-    write_manifest,
-)
+from eyas.core.files import atomic_path, check_free_disk, write_json
+from eyas.core.manifest import OutputLock, StageOutput, manifest_matches, read_manifest, write_manifest
 
 
 def test_atomic_file_survives_failure(tmp_path):

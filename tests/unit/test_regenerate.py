@@ -127,7 +127,7 @@ def test_killed_run_resumes_with_nothing_lost_or_repeated(make_tiny, tmp_path):
     from pathlib import Path
 
     from eyas.stages.prepare import prepare
-    from eyas.data.datasets import load_prepared
+    from eyas.data.prepared import load_prepared
 
     t = make_tiny("llama")
     src = tmp_path / "many.jsonl"

@@ -335,7 +335,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(inputs, tmp_path):
     a, b = t["cu_seqlens"][7].item(), t["cu_seqlens"][8].item()
     t["hidden_states"][a:b, 0] = float("nan")
     save_file(t, str(shard), metadata=meta)
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     m = json.loads((feats / "manifest.json").read_text())
     next(e for e in m["outputs"]["shards"] if e["file"] == shard.name).update(

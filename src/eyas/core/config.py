@@ -3,7 +3,8 @@
 One config per stage is the single source of its arguments: the ``eyas`` command's flags (:mod:`eyas.cli`), an
 ``eyas run`` TOML section (:mod:`eyas.pipeline`) and the Python keyword function (``eyas.stages.train.train(**kw)``,
 made here by :func:`stage_function`) are all generated from its fields, and :mod:`eyas.core.validate` checks every
-value against the field's type and the one table of ranges by name, so a name means one thing everywhere.
+value against the field's type and the range declared on it. Fields several stages share are declared once, in
+:mod:`eyas.core.fields`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, ClassVar
 
-from eyas.core.validate import check_values
+from eyas.core.validate import Range, check_values
 
 
-def option(default: Any = MISSING, *, help: str, positional: bool = False,
-           aliases: tuple[str, ...] | None = None) -> Any:  # fmt: skip
+def option(default: Any = MISSING, *, help: str, positional: bool = False, aliases: tuple[str, ...] | None = None,
+           range: Range | None = None, recorded: bool = True) -> Any:  # fmt: skip
     """A config field: its default (none: the argument is required) and its help, shown by ``--help``.
 
     ``positional``: the command line takes it as ``eyas STAGE VALUE``; with ``aliases`` (even empty) it is
-    also a ``--flag``. ``aliases``: more flag names for it (``--verifier-path`` for ``--verifier``)."""
-    metadata = {"help": help, "positional": positional, "aliases": aliases}
+    also a ``--flag``. ``aliases``: more flag names for it (``--verifier-path`` for ``--verifier``). ``range``:
+    the numbers it accepts (:class:`eyas.core.validate.Range`); a name several stages take has one range.
+    ``recorded=False``: not one of the settings a stage's manifest records (:func:`recorded_settings`), so not
+    one that decides whether a finished output is up to date: a run control (``--log-every``, ``--out``, the
+    device), or an input the manifest records as such (``--verifier`` by its fingerprint)."""
+    metadata = {"help": help, "positional": positional, "aliases": aliases, "range": range, "recorded": recorded}
     if isinstance(default, list):  # a list default is copied per config, as dataclasses require
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -47,6 +52,16 @@ class StageConfig:
     def check(self) -> None:
         """The rules between fields (each value alone is checked by its type and range): a stage config with
         such rules overrides this and raises an :class:`eyas.core.errors.EyasError` naming the flags."""
+
+
+def recorded_settings(config: StageConfig, **derived: Any) -> dict[str, Any]:
+    """The settings a stage's manifest records, by name: every field of ``config`` but those marked
+    ``recorded=False``, and ``derived``, what the stage resolved (``--draft-vocab-size`` left to its default, the
+    precision ``--dtype auto`` chose) or made of them (train's draft shape), in place of a field of that name or
+    beside them. A rerun whose settings match the manifest's is up to date. (``eyas eval`` writes a report, not
+    a manifest: it keeps an earlier report made with every argument but ``--out`` the same.)"""
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.metadata.get("recorded", True)}
+    return {**settings, **derived}
 
 
 def default_of(f: dataclasses.Field) -> Any:

@@ -1,11 +1,11 @@
 """One check of a stage's arguments, from its config's fields (:mod:`eyas.core.config`).
 
 Every value is checked against its field's type (a config's ``epochs = "1"`` is refused, not passed on to fail
-later) and every number against :data:`RANGES` (one table, by argument name: a name means the same in every
-stage) whenever a stage config is made (:func:`check_values`, so the Python API is checked too). At the
-boundary, before any stage runs, the command line (:mod:`eyas.cli`) and an ``eyas run`` config
-(:mod:`eyas.pipeline`) also pass through :func:`check_arguments`: unknown and missing names, and the places an
-argument names (an output folder that is a file or cannot be written, a CUDA device torch does not see), each
+later) and every number against the :class:`Range` declared on its field (``option(..., range=AT_LEAST_1)``; a
+name several stages take has one range) whenever a stage config is made (:func:`check_values`, so the Python API
+is checked too). At the boundary, before any stage runs, the command line (:mod:`eyas.cli`) and an ``eyas run``
+config (:mod:`eyas.pipeline`) also pass through :func:`check_arguments`: unknown and missing names, and the places
+an argument names (an output folder that is a file or cannot be written, a CUDA device torch does not see), each
 error naming the flag or key as the user wrote it.
 """
 
@@ -45,28 +45,15 @@ class Range:
         return " and ".join(x for x in (low, high) if x)
 
 
+#: The ranges most arguments take. Counts of work (epochs, steps, tokens to generate) are AT_LEAST_1: zero would
+#: finish with nothing done and look like a result.
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
 #: A count of tokens in one sequence or batch: tensors are indexed with 32-bit offsets.
 TOKENS = Range(1, 2**31 - 1)
-
-#: The numbers each argument accepts, by name. Counts of work (epochs, steps, tokens to generate) start at 1: zero
-#: would finish with nothing done and look like a result.
-RANGES: dict[str, Range] = {
-    "epochs": AT_LEAST_1, "max_steps": AT_LEAST_1, "max_new_tokens": TOKENS, "max_samples": AT_LEAST_1,
-    "max_turns": AT_LEAST_1, "num_prompts": AT_LEAST_1, "offline_rows": AT_LEAST_1, "draft_tokens": AT_LEAST_1,
-    "tokens": AT_LEAST_1, "gpus": AT_LEAST_1, "gpu_memory": ABOVE_0, "disk": AT_LEAST_0,
-    "concurrency": AT_LEAST_1, "server_timeout": ABOVE_0,
-    "ttt_steps": AT_LEAST_1, "speculative_tokens": AT_LEAST_1,
-    "max_seq_len": Range(2, 2**31 - 1), "batch_tokens": TOKENS, "batch_size": AT_LEAST_1, "shard_tokens": TOKENS,
-    "draft_vocab_size": AT_LEAST_1, "loss_chunk_tokens": AT_LEAST_1, "grad_accum": AT_LEAST_1,
-    "intermediate_size": AT_LEAST_1, "num_attention_heads": AT_LEAST_1, "num_key_value_heads": AT_LEAST_1,
-    "head_dim": AT_LEAST_1,
-    "log_every": AT_LEAST_1, "save_every": AT_LEAST_0, "keep_checkpoints": AT_LEAST_1, "profile_every": AT_LEAST_0,
-    "num_workers": AT_LEAST_0, "num_proc": AT_LEAST_1,
-    "lr": ABOVE_0, "warmup_steps": AT_LEAST_0, "weight_decay": AT_LEAST_0, "clip": AT_LEAST_0,
-    "step_loss_decay": AT_LEAST_0, "val_ratio": Range(0, 1, high_open=True), "temperature": AT_LEAST_0,
-    "seed": AT_LEAST_0, "min_words": AT_LEAST_0, "max_attempts": AT_LEAST_1, "repetition_penalty": ABOVE_0,
-}  # fmt: skip
+#: A sequence's length: room for one token and the next it predicts, at least.
+SEQ_LEN = Range(2, 2**31 - 1)
+#: A share of a whole, 0 up to (not including) 1.
+SHARE = Range(0, 1, high_open=True)
 
 #: The largest whole number an argument takes: what numpy's and torch's int64 sizes hold with room to multiply.
 MAX_INT = 2**62
@@ -126,15 +113,17 @@ def check_arguments(config: type, args: dict[str, Any], *, label: Callable[[str]
 
 
 def check_values(config: type, values: dict[str, Any], *, label: Callable[[str], str] = flag) -> dict[str, Any]:
-    """``values`` of ``config``'s fields checked against each field's type and :data:`RANGES`, normalised; an
+    """``values`` of ``config``'s fields checked against each field's type and range, normalised; an
     :class:`EyasError` names the first bad one as ``label(name)``."""
     hints = typing.get_type_hints(config)
+    ranges = {f.name: f.metadata.get("range") for f in dataclasses.fields(config)}
     out = {}
     for name, value in values.items():
         value = _typed(value, hints.get(name, Any), label(name))
-        if name in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value not in RANGES[name]:
-                raise EyasError(f"{label(name)} must be {RANGES[name]}, got {value!r}")
+        allowed = ranges.get(name)
+        if allowed is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value not in allowed:
+                raise EyasError(f"{label(name)} must be {allowed}, got {value!r}")
         big = next((v for v in (value if isinstance(value, list) else [value])
                     if isinstance(v, int) and abs(v) > MAX_INT), None)  # fmt: skip
         if big is not None:  # beyond what numpy's and torch's sizes hold

@@ -1,4 +1,4 @@
-"""Data sources: named sets, local conversation files, and the prepared-rows format every later stage reads.
+"""Data sources: named sets, local conversation and prompt files, and the prompt view of them.
 
 Sources. ``eyas prepare`` and ``eyas regenerate`` read conversations from a
 local JSON, JSONL or parquet file (``.gz`` too), a folder of them, or a named
@@ -12,17 +12,7 @@ stream, so a truncated file (the ShareGPT release is cut mid-record) yields
 every complete record and reports the broken tail. :func:`load_prompts` gives
 the prompt-only view (user turns) that evaluation and regeneration use.
 
-Prepared rows (written by ``eyas prepare``, read by ``extract``, ``vocab`` and
-online ``train``) are a directory holding
-
-- ``rows/``: a Hugging Face ``datasets`` Arrow dataset (``save_to_disk``) with
-  columns ``input_ids`` (list of int32), ``loss_mask`` (list of int8, 1 on every
-  token the assistant generates, end-of-turn token included), ``seq_len``
-  (int32) and ``row_id`` (int64, the row's number in the source);
-- ``manifest.json`` (stage ``prepare``) whose ``inputs.verifier`` is the
-  verifier's fingerprint, ``inputs.chat_template_sha256`` the template hash,
-  and ``outputs`` the row and token counts; ``verifier_path`` and
-  ``vocab_size`` name the verifier it was tokenized for.
+The prepared rows ``eyas prepare`` writes are :mod:`eyas.data.prepared`'s.
 """
 
 from __future__ import annotations
@@ -42,11 +32,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, read_json, read_manifest
+from eyas.core.files import read_json
+from eyas.core.manifest import MANIFEST
 from eyas.data.named_sets import NAMED_SETS, NamedSet, named_set_path
-
-PREPARED_ROWS = "rows"
-PREPARED_COLUMNS = ("input_ids", "loss_mask", "seq_len", "row_id")
 
 #: An `eyas regenerate` output's conversations, one JSON object a line (OpenAI layout), read by `eyas prepare`.
 CONVERSATIONS = "conversations.jsonl"
@@ -197,7 +185,7 @@ def _stage(folder: Path) -> str | None:
 
 def source_sha256(files: list[Path]) -> str:
     """The content hash of a source's files, in order (recorded in manifests)."""
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     if len(files) == 1:
         return sha256_file(files[0])
@@ -486,37 +474,3 @@ def _prompt(obj: Any, row: int, report: SourceReport) -> Prompt | None:
             return None
     report.add("malformed", row, "no 'turns', 'prompt', 'conversations' or 'messages'")
     return None
-
-
-# --------------------------------------------------------------------------- prepared rows
-
-
-def load_prepared(path: str | os.PathLike):
-    """Open prepared rows: returns ``(datasets.Dataset, manifest)``; memory-mapped, nothing copied."""
-    import datasets
-
-    path = Path(path)
-    manifest = read_manifest(path, stage="prepare")
-    rows_dir = path / PREPARED_ROWS
-    if not rows_dir.is_dir():
-        raise EyasError(f"{rows_dir} is missing: {path} is not a finished `eyas prepare` output; run it again")
-    if manifest.get("outputs", {}).get("rows") == 0:
-        raise EyasError(f"{path} holds no rows: there is nothing to train on or count; prepare more data")
-    try:
-        ds = datasets.load_from_disk(str(rows_dir))
-    except Exception as e:  # noqa: BLE001 (Arrow, JSON and datasets' own errors all mean the same damaged folder)
-        raise EyasError(f"{rows_dir} cannot be read ({type(e).__name__}: {e}); it is damaged: run `eyas prepare` "
-                        "again") from e  # fmt: skip
-    missing = [c for c in PREPARED_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise EyasError(f"{rows_dir} lacks the column(s) {missing}; it was not written by `eyas prepare`")
-    expected = manifest.get("outputs", {}).get("rows")
-    if expected is not None and ds.num_rows != expected:  # an Arrow stream cut at a batch boundary reads short
-        raise EyasError(f"{rows_dir} holds {ds.num_rows} rows, its manifest says {expected}; it is damaged: run "
-                        "`eyas prepare` again")  # fmt: skip
-    return ds, manifest
-
-
-def prepared_verifier(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The verifier fingerprint a prepared set was tokenized with (compare it with the one in use)."""
-    return manifest.get("inputs", {}).get("verifier", {})

@@ -14,7 +14,7 @@ Directory layout (version ``eyas-features/1``)::
       .eyas.lock                             only while a writer runs
 
 Rows are the prepared set's rows by position (0-based index into
-``eyas.training.batches.PreparedRows(data)``, the one reader of prepared rows). Shards are contiguous, cover every row
+``eyas.data.prepared.PreparedReader(data)``, the one reader of prepared rows). Shards are contiguous, cover every row
 exactly once, and their row ranges are listed in the manifest.
 
 One shard is one safetensors file. With ``N`` the tokens of its rows,
@@ -64,7 +64,8 @@ import numpy as np
 import torch
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, atomic_path, folder_stage, read_manifest, sha256_file, write_manifest
+from eyas.core.files import atomic_path, sha256_file
+from eyas.core.manifest import MANIFEST, folder_stage, read_manifest, write_manifest
 
 FORMAT = "eyas-features/1"
 STAGE = "extract"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.core.errors import EyasError
-from eyas.core.manifest import atomic_path
+from eyas.core.files import atomic_path
 
 
 @dataclass(frozen=True)

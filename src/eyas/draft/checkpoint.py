@@ -32,7 +32,7 @@ import torch
 
 from eyas import __version__
 from eyas.core.errors import EyasError
-from eyas.core.manifest import atomic_path, read_json, write_bytes
+from eyas.core.files import atomic_path, read_json, write_bytes
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.verifier.info import check_aux_layer_ids
 

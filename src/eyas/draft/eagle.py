@@ -26,7 +26,7 @@ from eyas.draft.checkpoint import (
     draft_files,
 )
 from eyas.core.errors import EyasError
-from eyas.core.manifest import read_json
+from eyas.core.files import read_json
 from eyas.draft.model import DraftConfig
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's EntryClass (sglang/srt/models/llama_eagle3.py)

@@ -150,7 +150,7 @@ def pick_offline_rows(rows: list[int] | None, *, num_rows: int, max_rows: int) -
 
 def draft_manifest(draft_dir: str) -> dict[str, Any]:
     """The train stage's manifest beside a draft checkpoint ({} when there is none, e.g. an imported draft)."""
-    from eyas.core.manifest import read_json
+    from eyas.core.files import read_json
 
     with contextlib.suppress(EyasError):
         m = read_json(Path(draft_dir) / "manifest.json", what="draft manifest")
@@ -162,7 +162,8 @@ def _trained_on(train_data: dict[str, Any], features: str | Path) -> bool:
     """Whether FEATURES hold the rows a draft was trained on, row for row: the train manifest's ``inputs.data``
     names the features themselves (offline training) or the prepared rows they were extracted from (online:
     extract's ``arrow_sha256`` hashes the same files' sha256 digests, in order)."""
-    from eyas.training.batches import FeatureRows, arrow_sha256
+    from eyas.data.prepared import arrow_sha256
+    from eyas.training.batches import FeatureRows
 
     held = FeatureRows(features, dtype=torch.float32)
     if "features" in train_data:

@@ -19,8 +19,10 @@ from typing import Any, ClassVar
 import torch
 
 from eyas.data.chat import end_of_turn_ids
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, TOKENS
 from eyas.engine.generate import device_and_dtype
 from eyas.evaluation.measure import Runners, as_prompts, conversation_bound, measure, recheck_fp32_turns, summarize
 from eyas.draft.model import DraftConfig, Eagle3Draft
@@ -89,7 +91,7 @@ class EvalConfig(StageConfig):
 
     stage: ClassVar[str] = "eval"
 
-    verifier: str = option(help="the verifier checkpoint (dir, .gguf file, 'smollm2' or hub id).")
+    verifier: str = fields.verifier()
     draft: str = option(
         help="a draft checkpoint dir (speculators eagle3 format, as `eyas train` writes it), or "
         "'random' for an untrained draft (the floor of acceptance)."
@@ -102,9 +104,11 @@ class EvalConfig(StageConfig):
     out: str | None = option(
         None, help="where to write the report: a .json path (the histogram PNG goes beside it) or a directory."
     )
-    num_prompts: int | None = option(None, help="evaluate this many prompts (a seeded sample); default all.")
+    num_prompts: int | None = option(
+        None, range=AT_LEAST_1, help="evaluate this many prompts (a seeded sample); default all."
+    )
     max_new_tokens: int = option(
-        256, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
+        256, range=TOKENS, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
     )
     draft_tokens: list[int] = option(
         [3],
@@ -112,8 +116,10 @@ class EvalConfig(StageConfig):
         "measured on the same turns (the report's top-level figures are the "
         "first K's, every K's under by_draft_tokens).",
     )
-    temperature: float = option(0.0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature.")
-    seed: int = option(0, help="seeds the prompt sample and all sampling.")
+    temperature: float = option(
+        0.0, range=AT_LEAST_0, help="0 for greedy acceptance; above 0 speculative sampling at this temperature."
+    )
+    seed: int = option(0, range=AT_LEAST_0, help="seeds the prompt sample and all sampling.")
     offline: str | None = option(
         None,
         help="an `eyas extract` features dir: also predict tau from the draft's "
@@ -121,9 +127,9 @@ class EvalConfig(StageConfig):
         "train held out when they are the features (or prepared rows) the draft "
         "trained on, else their first --offline-rows rows; the report says which.",
     )
-    offline_rows: int = option(256, help="rows of --offline features to use at most.")
-    device: str | None = option(None, help="cuda or cpu (default: cuda when available).")
-    dtype: str = option("auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")
+    offline_rows: int = option(256, range=AT_LEAST_1, help="rows of --offline features to use at most.")
+    device: str | None = fields.device()
+    dtype: str = fields.dtype()
     cuda_graphs: bool = option(
         True,
         help="on CUDA, record every fixed-shape decoding forward (plain step, "
@@ -143,83 +149,70 @@ class EvalConfig(StageConfig):
         "decoding again in fp32, to tell near-ties of the compute dtype from real "
         "differences.",
     )
-    trust_remote_code: bool = option(
-        False, help="allow the verifier's tokenizer to run checkpoint code (never on by default)."
-    )
-    chat_template: str | None = option(
-        None,
-        help="render prompts with this template instead of the tokenizer's own "
-        "(a base model has none): a Jinja file, or a checkpoint (dir, "
-        ".gguf, hub id) whose template to use; the one the draft's data was "
-        "prepared with.",
-    )
+    trust_remote_code: bool = fields.trust_remote_code(" (never on by default).")
+    chat_template: str | None = fields.chat_template(". Give the one the draft's data was prepared with.")
 
 
 def run(c: EvalConfig) -> dict[str, Any]:
     """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
-    from eyas.core.manifest import check_report_out, report_paths, sha256_json, versions, write_json
+    from eyas.core.files import sha256_json, write_json
+    from eyas.core.manifest import check_report_out, report_paths, versions
     from eyas.data.chat import chat_template_hash
 
-    verifier, draft, prompts, out, num_prompts = c.verifier, c.draft, c.prompts, c.out, c.num_prompts
-    max_new_tokens, draft_tokens, temperature, seed = c.max_new_tokens, c.draft_tokens, c.temperature, c.seed
-    offline, offline_rows, device, dtype, cuda_graphs = c.offline, c.offline_rows, c.device, c.dtype, c.cuda_graphs
-    compile, baseline, recheck_fp32, trust_remote_code = c.compile, c.baseline, c.recheck_fp32, c.trust_remote_code
-    chat_template = c.chat_template
-
-    if out:  # before any work: the report replaces only an earlier report, or nothing
-        check_report_out(out)
-    Ks = list(dict.fromkeys(draft_tokens))
+    if c.out:  # before any work: the report replaces only an earlier report, or nothing
+        check_report_out(c.out)
+    Ks = list(dict.fromkeys(c.draft_tokens))
     if not Ks or min(Ks) < 1:
-        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {draft_tokens}")
+        raise EyasError(f"--draft-tokens must be one or more counts of at least 1, got {c.draft_tokens}")
     offline_rows_from = None
-    if offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
+    if c.offline:  # the shards --offline will read are hashed now: a damaged one stops eval before decoding
         from eyas.data.features import FeatureReader
 
-        offline_rows_from = choose_offline_rows(draft_manifest(draft), offline)  # (rows, kind, why)
-        feats = FeatureReader(offline)
+        offline_rows_from = choose_offline_rows(draft_manifest(c.draft), c.offline)  # (rows, kind, why)
+        feats = FeatureReader(c.offline)
         feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
-                                                             max_rows=offline_rows)))  # fmt: skip
-    plist, source = as_prompts(prompts, num_prompts=num_prompts, seed=seed)
+                                                             max_rows=c.offline_rows)))  # fmt: skip
+    plist, source = as_prompts(c.prompts, num_prompts=c.num_prompts, seed=c.seed)
     # what this report measures: every setting but --out, the draft's manifest, the prompts themselves; an
     # existing report of the same is kept (a rerun of `eyas run` after a time limit skips finished evals)
     measured = sha256_json({"settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "out"},
-                            "draft": draft_manifest(draft) if str(draft) != "random" else "random",
+                            "draft": draft_manifest(c.draft) if str(c.draft) != "random" else "random",
                             "prompts": [dataclasses.asdict(p) for p in plist]})  # fmt: skip
-    if out and (old := _existing_report(out, measured)) is not None:
-        print(f"eval: {report_paths(out)[0]} already measures this draft on these prompts; skipping")
+    if c.out and (old := _existing_report(c.out, measured)) is not None:
+        print(f"eval: {report_paths(c.out)[0]} already measures this draft on these prompts; skipping")
         return old
-    env = setup(verifier=verifier, draft=draft, device=device, dtype=dtype, seed=seed,
-                trust_remote_code=trust_remote_code, chat_template=chat_template)  # fmt: skip
+    env = setup(verifier=c.verifier, draft=c.draft, device=c.device, dtype=c.dtype, seed=c.seed,
+                trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)  # fmt: skip
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
-    bound = conversation_bound(plist, tokenizer, max_new_tokens=max_new_tokens, draft_tokens=max(Ks))
-    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=cuda_graphs,
-                            compile=compile)  # fmt: skip
+    bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
+    runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
+                            compile=c.compile)  # fmt: skip
     graphs = runners.base.graphs.enabled
-    m = measure(plist, tokenizer, runners, max_new_tokens=max_new_tokens, eos_ids=env["eos_ids"],
-                temperature=temperature, seed=seed, baseline=baseline)  # fmt: skip
-    if recheck_fp32 and temperature == 0:
-        recheck_fp32_turns(env, m, max_new_tokens=max_new_tokens, bound=bound)
-    by_k = {K: summarize(m, draft_tokens=K, temperature=temperature, baseline=baseline) for K in Ks}
+    m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
+                temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
+    if c.recheck_fp32 and c.temperature == 0:
+        recheck_fp32_turns(env, m, max_new_tokens=c.max_new_tokens, bound=bound)
+    by_k = {K: summarize(m, draft_tokens=K, temperature=c.temperature, baseline=c.baseline) for K in Ks}
     template_sha = chat_template_hash(tokenizer)
     K = Ks[0]
     report: dict[str, Any] = {
         **by_k[K],
         "num_prompts": len(plist),
-        "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
+        "temperature": c.temperature,
+        "max_new_tokens": c.max_new_tokens,
         "prompts": source,
         "verifier": env["info"].path,
-        "draft": str(draft),
-        "draft_is_random": str(draft) == "random",
+        "draft": str(c.draft),
+        "draft_is_random": str(c.draft) == "random",
         "device": str(dev),
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
-        "chat_template": chat_template,  # --chat-template, or None: the tokenizer's own
+        "chat_template": c.chat_template,  # --chat-template, or None: the tokenizer's own
         "end_of_turn_ids": sorted(env["eos_ids"]),
-        "seed": seed,
+        "seed": c.seed,
         "versions": versions(),
         "measured_sha256": measured,
     }
@@ -229,19 +222,19 @@ def run(c: EvalConfig) -> dict[str, Any]:
     if trained_template and template_sha and trained_template != template_sha:
         report["warning"] = ("the draft was trained on data rendered with another chat template (give eval the one "
                              "prepare used: --chat-template)")  # fmt: skip
-    if offline:
+    if c.offline:
         rows, kind, why = offline_rows_from
-        report["offline"] = offline_accuracy(d, env["info"], offline, ttt_steps=K, rows=rows, max_rows=offline_rows,
-                                             device=dev, max_new_tokens=max_new_tokens)  # fmt: skip
+        report["offline"] = offline_accuracy(d, env["info"], c.offline, ttt_steps=K, rows=rows, max_rows=c.offline_rows,
+                                             device=dev, max_new_tokens=c.max_new_tokens)  # fmt: skip
         report["offline"].update(rows_from=kind, rows_note=why)
         report["predicted_tau"] = report["offline"]["predicted_tau"]
         report["predicted_tau_walk"] = report["offline"]["predicted_tau_walk"]
-    if out:
-        json_path, png_path = report_paths(out)
-        check_report_out(out)  # again: a file may have appeared there while eval ran
-        name = "random draft" if report["draft_is_random"] else Path(str(draft)).name
+    if c.out:
+        json_path, png_path = report_paths(c.out)
+        check_report_out(c.out)  # again: a file may have appeared there while eval ran
+        name = "random draft" if report["draft_is_random"] else Path(str(c.draft)).name
         plot_histogram(png_path, report["accepted_length_histogram"], tau=report["tau"],
-                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={temperature:g}")  # fmt: skip
+                       title=f"{name} on {Path(env['info'].path).name}, K={K}, T={c.temperature:g}")  # fmt: skip
         report["histogram_png"] = str(png_path)
         write_json(json_path, report)
         report["report_json"] = str(json_path)
@@ -272,7 +265,7 @@ def plot_histogram(path: Path, hist: list[int], *, tau: float, title: str) -> No
     without pyplot's global state)."""
     from matplotlib.figure import Figure
 
-    from eyas.core.manifest import atomic_path
+    from eyas.core.files import atomic_path
 
     fig = Figure(figsize=(5, 3.2), dpi=120)
     ax = fig.subplots()

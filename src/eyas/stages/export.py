@@ -45,10 +45,13 @@ from eyas.draft.checkpoint import (
     save_tensors,
     write_checkpoint,
 )
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.draft.eagle import check_eagle_tensors, eagle_config_dict, eagle_tensors, read_eagle
 from eyas.core.errors import EyasError
-from eyas.core.manifest import MANIFEST, StageOutput, human_bytes, read_json, sha256_file
+from eyas.core.validate import AT_LEAST_1
+from eyas.core.files import human_bytes, read_json, sha256_file
+from eyas.core.manifest import MANIFEST, StageOutput
 from eyas.draft.model import DraftConfig
 from eyas.verifier.info import check_aux_layer_ids
 
@@ -92,11 +95,12 @@ class ExportConfig(StageConfig):
     stage: ClassVar[str] = "export"
 
     draft: str = option(
+        recorded=False,
         positional=True,
         aliases=(),
         help="the draft checkpoint directory to read (eyas/speculators layout unless --from says otherwise).",
     )
-    out: str = option(help="the directory to write.")
+    out: str = fields.out()
     format: Literal["speculators", "eagle"] = option(
         "speculators", help="the layout to write: 'speculators' (vLLM) or 'eagle' (SGLang, SpecForge, EAGLE)."
     )
@@ -107,11 +111,10 @@ class ExportConfig(StageConfig):
         "midlayer.* or layers.0.*, aux ids from eagle_config plus one) or a 'speculators' one (as speculators saves "
         "it); default: the native layout, which is speculators'.",
     )
-    verifier: str | None = option(
-        None,
-        help="the verifier checkpoint the draft is for: checked against the draft, "
-        "and the source of the default aux layers for an EAGLE draft whose "
-        "config names none, and of the embedding for --include-embeddings.",
+    verifier: str | None = fields.verifier(
+        "; the draft is checked against it, and it gives the default aux layers of an EAGLE draft whose config "
+        "names none, and the embedding for --include-embeddings.",
+        default=None,
     )
     verifier_name: str | None = option(
         None,
@@ -121,7 +124,9 @@ class ExportConfig(StageConfig):
         "--verifier.",
     )
     speculative_tokens: int | None = option(
-        None, help="tokens to draft per step, recorded for vLLM; default: what the draft records, else 3."
+        None,
+        range=AT_LEAST_1,
+        help="tokens to draft per step, recorded for vLLM; default: what the draft records, else 3.",
     )
     include_embeddings: bool = option(
         False,
@@ -136,62 +141,57 @@ class ExportConfig(StageConfig):
 
 def run(c: ExportConfig) -> dict[str, Any]:
     """Run `eyas export` as ``c`` describes (see :class:`ExportConfig`)."""
-    draft, out, format, from_format, verifier = c.draft, c.out, c.format, c.from_format, c.verifier
-    verifier_name, speculative_tokens, include_embeddings = c.verifier_name, c.speculative_tokens, c.include_embeddings
-    dtype = c.dtype
-    src, dst = Path(draft), Path(out)
+    src, dst = Path(c.draft), Path(c.out)
     if not src.is_dir():
         raise EyasError(f"draft {src} is not a directory")
     if dst.resolve() == src.resolve():
         raise EyasError(f"--out {dst} is the draft itself; write the export to another directory")
-    if format not in ("speculators", "eagle"):
-        raise EyasError(f"unknown --format {format!r}: use 'speculators' (vLLM) or 'eagle' (SGLang)")
-    if from_format not in (None, "speculators", "eagle"):
-        raise EyasError(f"unknown --from {from_format!r}: use 'eagle' or 'speculators'")
-    if dtype not in DTYPES:
-        raise EyasError(f"unknown --dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    if c.format not in ("speculators", "eagle"):
+        raise EyasError(f"unknown --format {c.format!r}: use 'speculators' (vLLM) or 'eagle' (SGLang)")
+    if c.from_format not in (None, "speculators", "eagle"):
+        raise EyasError(f"unknown --from {c.from_format!r}: use 'eagle' or 'speculators'")
+    if c.dtype not in DTYPES:
+        raise EyasError(f"unknown --dtype {c.dtype!r}: use one of {sorted(DTYPES)}")
     from eyas.verifier.info import fingerprint, resolve
 
-    info = resolve(verifier) if verifier else None
-    sources = draft_files(src, from_format)
+    info = resolve(c.verifier) if c.verifier else None
+    sources = draft_files(src, c.from_format)
     inputs = {"draft": {p.name: sha256_file(p) for p in sources}, "verifier": fingerprint(info) if info else None}
-    settings = {"format": format, "from_format": from_format or "native", "verifier_name": verifier_name,
-                "speculative_tokens": speculative_tokens, "include_embeddings": include_embeddings,
-                "dtype": dtype}  # fmt: skip
+    settings = recorded_settings(c, from_format=c.from_format or "native")
     with StageOutput(dst, stage="export") as output:
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(CONFIG,))
         if manifest is not None:
             print(f"eyas export: {dst} is up to date (same draft and settings); nothing to do")
             return manifest
-        d = read_eagle(src, verifier=info) if from_format == "eagle" else read_native(src)
+        d = read_eagle(src, verifier=info) if c.from_format == "eagle" else read_native(src)
         where = str(src / CONFIG)
         if info is not None:
             check_verifier(d.cfg, info, where=where)
         else:
             _check_recorded_verifier(d, src, where=where)
         _normalise_vocab_maps(d, where=str(sources[0]))
-        tensors = _embeddings(d, info, include=include_embeddings)
-        torch_dtype = DTYPES[dtype]
-        if format == "eagle":
+        tensors = _embeddings(d, info, include=c.include_embeddings)
+        torch_dtype = DTYPES[c.dtype]
+        if c.format == "eagle":
             _check_sglang_servable(d.cfg, info, where=where)
         else:
-            name = verifier_name or d.verifier_name or (info.path if info else None)
+            name = c.verifier_name or d.verifier_name or (info.path if info else None)
             if not name:
                 raise EyasError(f"{where} does not name its verifier; pass --verifier PATH or --verifier-name ORG/NAME")
             arch = d.verifier_architectures or (_verifier_architectures(info) if info else [])
-            ttt_steps = int(speculative_tokens or d.ttt_steps or DEFAULT_SPECULATIVE_TOKENS)
+            ttt_steps = int(c.speculative_tokens or d.ttt_steps or DEFAULT_SPECULATIVE_TOKENS)
         output.unfinish()  # checks passed: a re-export interrupted from here must not look finished
         (dst / CONFIG).unlink(missing_ok=True)
-        if format == "eagle":
+        if c.format == "eagle":
             write_checkpoint(dst, eagle_tensors(d.cfg, tensors, dtype=torch_dtype),
-                             eagle_config_dict(d.cfg, dtype=dtype))  # fmt: skip
+                             eagle_config_dict(d.cfg, dtype=c.dtype))  # fmt: skip
         else:
             save_tensors(dst, d.cfg, tensors, verifier_name_or_path=str(name), verifier_architectures=arch,
                          ttt_steps=ttt_steps, dtype=torch_dtype,
-                         include_embeddings=include_embeddings)  # fmt: skip
-        outputs = _describe(dst, d.cfg, format=format)
+                         include_embeddings=c.include_embeddings)  # fmt: skip
+        outputs = _describe(dst, d.cfg, format=c.format)
         manifest = output.finish(outputs=outputs, source=str(src.resolve()))
-    _print_summary(dst, outputs, verifier=verifier_name or d.verifier_name or (info.path if info else "VERIFIER"))
+    _print_summary(dst, outputs, verifier=c.verifier_name or d.verifier_name or (info.path if info else "VERIFIER"))
     recorded = manifest["outputs"].get("verifier_name_or_path")
     if recorded and Path(recorded).exists():
         print(f"  note: the recorded verifier {recorded} is a local path; `vllm serve {dst}` needs a hub id "

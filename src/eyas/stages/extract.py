@@ -29,9 +29,11 @@ import numpy as np
 import torch
 
 from eyas.data import features
-from eyas.training.batches import PreparedRows
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.data.prepared import PreparedReader, prepared_verifier
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import TOKENS
 from eyas.engine.extractor import WINDOW_SHARDS, Extractor
 from eyas.data.features import FORMAT, STAGE, STORAGE_DTYPES, bytes_per_token, shard_name
 
@@ -138,13 +140,13 @@ class _Progress:
             self._save()
 
     def _save(self) -> None:
-        from eyas.core.manifest import write_json
+        from eyas.core.files import write_json
 
         write_json(self.path, {"plan": self.plan, "shards": self.shards})
 
 
 def _still_good(out: Path, entry: dict[str, Any] | None) -> bool:
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     if entry is None:
         return False
@@ -164,34 +166,31 @@ class ExtractConfig(StageConfig):
 
     stage: ClassVar[str] = "extract"
 
-    verifier: str | None = option(
-        None, help="the verifier checkpoint (dir, .gguf, 'smollm2'); the prepared rows must be for it."
-    )
-    data: str | None = option(None, help="a directory written by `eyas prepare`.")
-    out: str | None = option(None, help="the output directory for the feature shards.")
+    verifier: str | None = fields.verifier("; the prepared rows must be for it.", default=None)
+    data: str | None = option(None, recorded=False, help="a directory written by `eyas prepare`.")
+    out: str | None = fields.out(" for the feature shards.", default=None)
     layers: list[int] | None = option(
-        None, help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3]."
+        None,
+        recorded=False,
+        help="three aux layer ids (id i = the state entering decoder layer i); default [2, L//2, L-3].",
     )
     batch_tokens: int | None = option(
-        None, help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU)."
+        None,
+        recorded=False,
+        range=TOKENS,
+        help="tokens per forward, padding included (default 32768 on CUDA, 8192 on CPU).",
     )
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = option(
         "bf16", help="stored dtype; fp8 is e4m3 with a scale per row and layer (half of bf16's bytes)."
     )
-    device: str | None = option(
-        None, help="cpu, cuda or cuda:N (default: cuda when there is one); under torchrun each rank takes its own GPU."
-    )
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="'auto' spreads a verifier larger than one GPU over all of them (one process only; a dict in "
-        "Python places each module itself).",
-    )
-    shard_tokens: int | None = option(None, help="tokens per shard (default: shards of at most 1 GiB).")
+    device: str | None = fields.device("; under torchrun each rank takes its own GPU.")
+    device_map: str | dict[str, Any] | None = fields.device_map()
+    shard_tokens: int | None = option(None, range=TOKENS, help="tokens per shard (default: shards of at most 1 GiB).")
     speculators_out: str | None = option(
-        None, help="also write the features in speculators' offline layout to this directory."
+        None, recorded=False, help="also write the features in speculators' offline layout to this directory."
     )
     verify: str | None = option(
-        None, help="check the shards of this finished output against its manifest (hashes) and exit."
+        None, recorded=False, help="check the shards of this finished output against its manifest (hashes) and exit."
     )
 
     def check(self) -> None:
@@ -210,71 +209,66 @@ class ExtractConfig(StageConfig):
 
 def run(c: ExtractConfig) -> dict[str, Any]:
     """Run `eyas extract` as ``c`` describes (see :class:`ExtractConfig`)."""
-    verifier, data, out, layers, batch_tokens, dtype = c.verifier, c.data, c.out, c.layers, c.batch_tokens, c.dtype
-    device, device_map, shard_tokens, speculators_out = c.device, c.device_map, c.shard_tokens, c.speculators_out
-    verify = c.verify
-    if verify is not None:
-        summary = features.verify(verify)
-        print(f"{verify}: ok, {summary['shards']} shards, {summary['rows']} rows, {summary['tokens']} tokens, "
+    if c.verify is not None:
+        summary = features.verify(c.verify)
+        print(f"{c.verify}: ok, {summary['shards']} shards, {summary['rows']} rows, {summary['tokens']} tokens, "
               f"every sha256 matches the manifest")  # fmt: skip
         return summary
-    if speculators_out is not None:  # before any work: the layout is written last, over what is there
-        features.check_speculators_out(speculators_out, features=out)
+    if c.speculators_out is not None:  # before any work: the layout is written last, over what is there
+        features.check_speculators_out(c.speculators_out, features=c.out)
     from eyas.core import dist as _dist
 
-    kind = "cuda" if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
+    kind = "cuda" if (c.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
     with _dist.init(device_type=kind) as d:
-        return _extract(d, verifier=str(verifier), data=str(data), out=Path(out), layers=layers,
-                        batch_tokens=batch_tokens, dtype=dtype, device=device, device_map=device_map,
-                        shard_tokens=shard_tokens, speculators_out=speculators_out)  # fmt: skip
+        return _extract(d, c)
 
 
 extract = stage_function(ExtractConfig, run, "extract")
 
 
-def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, device, device_map, shard_tokens,
-             speculators_out) -> dict[str, Any]:  # fmt: skip
-    from eyas.data.datasets import prepared_verifier
-    from eyas.core.manifest import StageOutput, check_free_disk, human_bytes, sha256_json, write_json
+def _extract(d, c: ExtractConfig) -> dict[str, Any]:
+    from eyas.core.files import check_free_disk, human_bytes, sha256_json, write_json
+    from eyas.core.manifest import StageOutput
     from eyas.verifier.load import build_text_model
     from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve
 
-    if dtype not in STORAGE_DTYPES:
-        raise EyasError(f"--dtype {dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
-    info = resolve(verifier)
-    source = PreparedRows(data)
+    out = Path(c.out)
+    if c.dtype not in STORAGE_DTYPES:
+        raise EyasError(f"--dtype {c.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+    info = resolve(c.verifier)
+    source = PreparedReader(c.data)
     pmanifest = source.manifest
     fp = fingerprint(info)
     if prepared_verifier(pmanifest) != fp:
         raise EyasError(
-            f"the prepared rows in {data} were tokenized for another verifier "
+            f"the prepared rows in {c.data} were tokenized for another verifier "
             f"({pmanifest.get('verifier_path', 'unknown')}), not {info.path}; run `eyas prepare` with this "
             "--verifier, or pass the verifier they were made for"
         )
-    layer_ids = check_aux_layer_ids(layers if layers is not None else info.aux_layer_ids, info.num_hidden_layers)
-    if device_map is not None:
+    layer_ids = check_aux_layer_ids(c.layers if c.layers is not None else info.aux_layer_ids, info.num_hidden_layers)
+    if c.device_map is not None:
         if d.active:
             raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "
                             "torchrun (or run one process)")  # fmt: skip
         where: torch.device | None = None
         on_cuda = torch.cuda.is_available()
     else:
-        where = d.device(device)
+        where = d.device(c.device)
         on_cuda = where.type == "cuda"
         if on_cuda and not torch.cuda.is_available():
-            raise EyasError(f"--device {device} asked for CUDA but torch sees no GPU (torch {torch.__version__})")
+            raise EyasError(f"--device {c.device} asked for CUDA but torch sees no GPU (torch {torch.__version__})")
     # bf16 on GPUs, as the verifier is served; fp32 on CPU (and when fp32 is asked for), where it is exact.
-    compute_dtype = torch.bfloat16 if on_cuda and dtype != "fp32" else torch.float32
-    batch_tokens = batch_tokens or BATCH_TOKENS["cuda" if on_cuda else "cpu"]
+    compute_dtype = torch.bfloat16 if on_cuda and c.dtype != "fp32" else torch.float32
+    batch_tokens = c.batch_tokens or BATCH_TOKENS["cuda" if on_cuda else "cpu"]
     H = info.hidden_size
-    shard_tokens = shard_tokens or default_shard_tokens(source.lengths, H, dtype)
+    shard_tokens = c.shard_tokens or default_shard_tokens(source.lengths, H, c.dtype)
     shards = plan_shards(source.lengths, shard_tokens)
     # the template the rows were rendered with travels on, so train records it and eval can compare it
     inputs = {"verifier": fp, "data": source.extracted_from(),
               "chat_template_sha256": (pmanifest.get("inputs") or {}).get("chat_template_sha256")}  # fmt: skip
-    settings = {"format": FORMAT, "layer_ids": layer_ids, "dtype": dtype, "last_hidden_normed": False,
-                "compute_dtype": str(compute_dtype).removeprefix("torch."), "shard_tokens": shard_tokens,
-                "window_shards": WINDOW_SHARDS}  # fmt: skip
+    settings = recorded_settings(c, format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False,
+                                 compute_dtype=str(compute_dtype).removeprefix("torch."), shard_tokens=shard_tokens,
+                                 window_shards=WINDOW_SHARDS)  # fmt: skip
     plan = sha256_json({"inputs": inputs, "settings": settings})
 
     with StageOutput(out, stage=STAGE, d=d) as output:
@@ -296,8 +290,8 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
             manifest = features.read_features_manifest(out)
             if d.is_main:
                 print(f"{out}: already extracted ({manifest['num_rows']} rows); nothing to do")
-                if speculators_out:
-                    features.write_speculators(out, out=speculators_out)
+                if c.speculators_out:
+                    features.write_speculators(out, out=c.speculators_out)
             return manifest
         d.barrier("start of extraction")
         windows = plan_windows(shards)
@@ -306,14 +300,14 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
         kept = {shard_name(*sh): known[shard_name(*sh)] for w in mine for sh in w
                 if _still_good(out, known.get(shard_name(*sh)))}  # fmt: skip
         todo = [sh for w in mine for sh in w if shard_name(*sh) not in kept]
-        need = int(sum(source.lengths[s:e].sum() for s, e in todo)) * bytes_per_token(H, dtype)
+        need = int(sum(source.lengths[s:e].sum() for s, e in todo)) * bytes_per_token(H, c.dtype)
         total_need = sum(d.all_gather(need))
-        check_free_disk(out, needed=total_need, what=f"extracting {len(shards)} shard(s) of {dtype} features")
+        check_free_disk(out, needed=total_need, what=f"extracting {len(shards)} shard(s) of {c.dtype} features")
         record = _Progress(out / f".progress-rank{d.rank}.json", plan, kept)
         tokens_done, elapsed, forward_tokens = 0, 0.0, 0
         if todo:
-            model = build_text_model(info, dtype=compute_dtype, device=where, device_map=device_map)
-            extractor = Extractor(model, layer_ids=layer_ids, dtype=dtype, batch_tokens=batch_tokens)
+            model = build_text_model(info, dtype=compute_dtype, device=where, device_map=c.device_map)
+            extractor = Extractor(model, layer_ids=layer_ids, dtype=c.dtype, batch_tokens=batch_tokens)
             extractor.run(source, mine, out, skip=kept, on_shard=record.add, progress=d.is_main)
             st = extractor.stats
             # (a partly written window is computed whole, so these count its kept shards' tokens too)
@@ -342,8 +336,8 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
                 outputs={"rows": len(source.lengths), "tokens": tokens, "bytes": nbytes,
                          "bytes_per_token": nbytes / max(tokens, 1), "shards": ordered},
                 hashed={x["file"]: x["sha256"] for x in ordered},  # hashed as they were written
-                format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=dtype, hidden_size=H,
-                num_rows=len(source.lengths), verifier_path=info.path, data_path=str(data),
+                format=FORMAT, layer_ids=layer_ids, last_hidden_normed=False, dtype=c.dtype, hidden_size=H,
+                num_rows=len(source.lengths), verifier_path=info.path, data_path=str(c.data),
             )  # fmt: skip
             for p in out.glob(PROGRESS_GLOB):  # the manifest is written: the run is finished
                 p.unlink()
@@ -356,10 +350,10 @@ def _extract(d, *, verifier, data, out: Path, layers, batch_tokens, dtype, devic
         rate = done_tokens / max(max(e for _, e, _ in rates), 1e-9)
         padding = 1 - done_tokens / max(sum(f for _, _, f in rates), 1)
         print(f"extracted {manifest['num_rows']} rows, {tokens} tokens into {len(shards)} shard(s) in {out}: "
-              f"{human_bytes(nbytes)}, {nbytes / max(tokens, 1):.0f} bytes/token ({dtype}), layers {layer_ids}"
+              f"{human_bytes(nbytes)}, {nbytes / max(tokens, 1):.0f} bytes/token ({c.dtype}), layers {layer_ids}"
               + (f"; {done_tokens} tokens this run at {rate:,.0f} tokens/s ({padding:.0%} of the forward's tokens "
                  "were padding)" if done_tokens else ""))  # fmt: skip
-        if speculators_out:
-            path = features.write_speculators(out, out=speculators_out)
+        if c.speculators_out:
+            path = features.write_speculators(out, out=c.speculators_out)
             print(f"speculators' offline layout written to {path}")
     return manifest

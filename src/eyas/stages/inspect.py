@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from eyas.core import fields
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.verifier.info import resolve
 
@@ -19,22 +20,15 @@ class InspectConfig(StageConfig):
 
     stage: ClassVar[str] = "inspect"
 
-    verifier: str = option(
-        positional=True,
-        aliases=(),
-        help="a checkpoint directory, a .gguf file, 'smollm2' (the "
-        "demo verifier) or a hub id (positional, or --verifier "
-        "as in every other stage).",
-    )
+    verifier: str = fields.verifier("; positional, or --verifier as in every other stage.", positional=True, aliases=())
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
 
 def run(c: InspectConfig) -> dict[str, Any]:
     """Run `eyas inspect` as ``c`` describes (see :class:`InspectConfig`)."""
-    path, json_out = c.verifier, c.json_out
-    info = resolve(path)
+    info = resolve(c.verifier)
     summary = info.summary()
-    if json_out:
+    if c.json_out:
         print(json.dumps(summary, indent=2))
         return summary
     rows = [

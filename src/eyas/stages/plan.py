@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from eyas.core.config import StageConfig, option, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1
 
 #: Figures the estimate uses, each measured on one H200 (torch 2.11, transformers 5.17) and recorded in
 #: docs/BENCHMARKS.md, each named by the commit that recorded it:
@@ -358,12 +359,12 @@ class PlanConfig(StageConfig):
         aliases=(),
         help="a checkpoint directory (config.json is enough; positional, or --verifier as in every other stage).",
     )
-    tokens: int = option(help="training tokens (the prepared rows' tokens).")
-    gpus: int = option(8, help="GPUs on the machine.")
-    gpu_memory: float = option(141.0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
-    epochs: int = option(1, help="passes over the tokens.")
+    tokens: int = option(range=AT_LEAST_1, help="training tokens (the prepared rows' tokens).")
+    gpus: int = option(8, range=AT_LEAST_1, help="GPUs on the machine.")
+    gpu_memory: float = option(141.0, range=ABOVE_0, help="memory of each GPU in GB (1e9 bytes; an H200 has 141).")
+    epochs: int = option(1, range=AT_LEAST_1, help="passes over the tokens.")
     disk: float | None = option(
-        None, help="disk for features in GB (default: the free space of the current directory)."
+        None, range=AT_LEAST_0, help="disk for features in GB (default: the free space of the current directory)."
     )
     json_out: bool = option(False, help="print one JSON object instead of a table.")
 
@@ -372,43 +373,40 @@ def run(c: PlanConfig) -> dict[str, Any]:
     """Run `eyas plan` as ``c`` describes (see :class:`PlanConfig`)."""
     import json
 
-    verifier, tokens, gpus, gpu_memory, epochs, disk = c.verifier, c.tokens, c.gpus, c.gpu_memory, c.epochs, c.disk
-    json_out = c.json_out
-
-    mem = verifier_memory(verifier)
-    usable = USABLE_FRACTION * gpu_memory * 1e9
+    mem = verifier_memory(c.verifier)
+    usable = USABLE_FRACTION * c.gpu_memory * 1e9
     items = mem["placement_items"]
     placed, placed_bf16 = place(items, usable), place(mem["placement_items_bf16"], usable)
     needed = len(placed) if placed else None  # None: one layer alone is larger than a GPU
-    fits = needed is not None and needed <= gpus
+    fits = needed is not None and needed <= c.gpus
     per_token = {"bf16": FEATURE_STATES * mem["hidden_size"] * 2, "fp8": FEATURE_STATES * mem["hidden_size"] * 1}
-    feature_bytes = {k: v * tokens for k, v in per_token.items()}
-    disk_bytes = int(disk * 1e9) if disk is not None else shutil.disk_usage(".").free
-    mode, why = choose_mode(tokens=tokens, feature_bytes=feature_bytes, disk_bytes=disk_bytes, needed=needed,
-                            gpus=gpus, gpu_memory=gpu_memory)  # fmt: skip
+    feature_bytes = {k: v * c.tokens for k, v in per_token.items()}
+    disk_bytes = int(c.disk * 1e9) if c.disk is not None else shutil.disk_usage(".").free
+    mode, why = choose_mode(tokens=c.tokens, feature_bytes=feature_bytes, disk_bytes=disk_bytes, needed=needed,
+                            gpus=c.gpus, gpu_memory=c.gpu_memory)  # fmt: skip
     feature_dtype = "bf16" if feature_bytes["bf16"] <= disk_bytes else "fp8"  # offline: eyas extract --dtype
     cost = estimate_cost(
         mem,
         mode=mode,
-        tokens=tokens,
-        epochs=epochs,
-        gpus=gpus,
-        verifier_gpus=needed if fits else gpus,
+        tokens=c.tokens,
+        epochs=c.epochs,
+        gpus=c.gpus,
+        verifier_gpus=needed if fits else c.gpus,
         feature_bytes_per_token=per_token[feature_dtype],
     )
     out = {
         **{k: mem[k] for k in ("path", "text_model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                                 "quantization", "source", "parameters", "active_backbone_parameters")},
         "verifier_bytes_packed": mem["packed_bytes"], "verifier_bytes_bf16": mem["bf16_bytes"],
-        "gpus": gpus, "gpu_memory_bytes": int(gpu_memory * 1e9), "gpus_needed": needed,
+        "gpus": c.gpus, "gpu_memory_bytes": int(c.gpu_memory * 1e9), "gpus_needed": needed,
         "gpus_needed_bf16": len(placed_bf16) if placed_bf16 else None, "verifier_fits": fits,
         "split_bytes": split(items, needed, usable) if fits else None,
-        "feature_bytes_per_token": per_token, "tokens": tokens, "feature_bytes": feature_bytes,
+        "feature_bytes_per_token": per_token, "tokens": c.tokens, "feature_bytes": feature_bytes,
         "disk_bytes": disk_bytes, "mode": mode, "why": why,
-        "feature_dtype": feature_dtype if mode == "offline" else None, "epochs": epochs, **cost, "measured": MEASURED,
+        "feature_dtype": feature_dtype if mode == "offline" else None, "epochs": c.epochs, **cost, "measured": MEASURED,
     }  # fmt: skip
-    out["versus_public_kimi_run"] = versus_public_run(out, verifier_gpus=needed if fits else gpus)
-    if json_out:
+    out["versus_public_kimi_run"] = versus_public_run(out, verifier_gpus=needed if fits else c.gpus)
+    if c.json_out:
         print(json.dumps(out, indent=2))
     else:
         _print_table(out)

@@ -43,10 +43,14 @@ import numpy as np
 import pyarrow as pa
 
 from eyas.data.chat import ChatTemplate, TemplateSplitError
-from eyas.core.config import StageConfig, option, stage_function
-from eyas.data.datasets import DROPS, PREPARED_ROWS, iter_conversations, open_source, source_sha256
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
+from eyas.data.datasets import DROPS, iter_conversations, open_source, source_sha256
+from eyas.data.prepared import PREPARED_ROWS, ROWS_SCHEMA, rows_table, write_rows
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, atomic_path, sha256_json, write_json
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN
+from eyas.core.files import atomic_path, sha256_json, write_json
+from eyas.core.manifest import StageOutput
 
 CHUNK = 128  # conversations per task handed to a worker
 PART = 32  # chunks per part file on disk: the unit an interrupted run resumes from
@@ -251,7 +255,7 @@ class _Parts:
         return None
 
     def write(self, p: int, results: list[dict[str, Any]]) -> dict[str, Any]:
-        tables = [_rows_table(r["ids"], r["mask"], r["lens"], r["rows"]) for r in results]
+        tables = [rows_table(r["ids"], r["mask"], r["lens"], r["rows"]) for r in results]
         with atomic_path(self.path(p, "arrow")) as tmp, pa.OSFile(str(tmp), "wb") as sink:
             with pa.ipc.new_file(sink, ROWS_SCHEMA) as w:
                 for t in tables:
@@ -289,77 +293,67 @@ class PrepareConfig(StageConfig):
 
     stage: ClassVar[str] = "prepare"
 
-    verifier: str = option(
-        help="the verifier checkpoint (dir, .gguf, or 'smollm2'); its tokenizer and chat template are used."
-    )
+    verifier: str = fields.verifier("; its tokenizer and chat template are used.")
     data: str = option(
+        recorded=False,
         help="a .json/.jsonl/.parquet file or a folder of them (ShareGPT or OpenAI layout), or a named "
-        "set: sharegpt, mt-bench, humaneval."
+        "set: sharegpt, mt-bench, humaneval.",
     )
-    out: str = option(help="the output directory.")
-    max_seq_len: int = option(2048, help="the most tokens a row may have.")
-    max_samples: int | None = option(None, help="keep a seeded random sample of this many conversations.")
-    seed: int = option(0, help="the seed of that sample.")
+    out: str = fields.out()
+    max_seq_len: int = option(2048, range=SEQ_LEN, help="the most tokens a row may have.")
+    max_samples: int | None = option(
+        None, range=AT_LEAST_1, help="keep a seeded random sample of this many conversations."
+    )
+    seed: int = option(0, range=AT_LEAST_0, help="the seed of that sample.")
     strict: bool = option(False, help="stop at the first bad row instead of counting and skipping it.")
     on_overflow: Literal["truncate", "drop"] = option(
         "truncate",
         help="a row longer than max-seq-len is cut after its last assistant turn that fits (truncate), or "
         "dropped (drop).",
     )
-    num_proc: int | None = option(None, help="worker processes for tokenization (default: every core).")
-    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run (recorded by hash).")
-    chat_template: str | None = option(
-        None,
-        help="render with this template instead of the tokenizer's own (a base "
-        "model has none): a Jinja file, or a checkpoint (dir, .gguf, hub "
-        "id) whose template to use; its sha256 is recorded. Give the same "
-        "to eval.",
+    num_proc: int | None = option(
+        None, recorded=False, range=AT_LEAST_1, help="worker processes for tokenization (default: every core)."
     )
+    trust_remote_code: bool = fields.trust_remote_code(" (recorded by hash).")
+    chat_template: str | None = fields.chat_template(". Give the same to eval.")
 
 
 def run(c: PrepareConfig) -> dict[str, Any]:
     """Run `eyas prepare` as ``c`` describes (see :class:`PrepareConfig`)."""
-    import datasets
-
     from eyas.verifier.load import load_tokenizer, remote_code_hashes
     from eyas.verifier.info import fingerprint, resolve
 
-    verifier, data, out, max_seq_len, max_samples = c.verifier, c.data, c.out, c.max_seq_len, c.max_samples
-    seed, strict, on_overflow, num_proc = c.seed, c.strict, c.on_overflow, c.num_proc
-    trust_remote_code, chat_template = c.trust_remote_code, c.chat_template
-
-    out_dir = Path(out)
+    out_dir = Path(c.out)
     # the lock first: a second prepare into this --out stops here, before it reads anything, and another
     # stage's folder is refused before anything in it changes
     with StageOutput(out_dir, stage="prepare") as output:
-        info = resolve(verifier)
-        files, report, named = open_source(data, strict=strict)
+        info = resolve(c.verifier)
+        files, report, named = open_source(c.data, strict=c.strict)
         if named is not None and named.prompt_only:
             raise EyasError(
-                f"{data} is a prompt-only set (no assistant answers to learn from): "
+                f"{c.data} is a prompt-only set (no assistant answers to learn from): "
                 f"have the verifier answer it first "
-                f"(`eyas regenerate --verifier {verifier} --data {data} --out DIR`), then prepare DIR"
+                f"(`eyas regenerate --verifier {c.verifier} --data {c.data} --out DIR`), then prepare DIR"
             )
-        tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
-        template = ChatTemplate(tok, where=chat_template or info.path)
+        tok = load_tokenizer(info, trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)
+        template = ChatTemplate(tok, where=c.chat_template or info.path)
         inputs: dict[str, Any] = {
             "verifier": fingerprint(info),
             "chat_template_sha256": template.sha256,
             "data": {"source": report.source, "sha256": source_sha256(files)},
         }
-        if trust_remote_code:
+        if c.trust_remote_code:
             inputs["remote_code"] = remote_code_hashes(info)
-        settings = {"max_seq_len": max_seq_len, "max_samples": max_samples, "seed": seed, "strict": strict,
-                    "on_overflow": on_overflow}  # fmt: skip
+        settings = recorded_settings(c)
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
         if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
             return manifest
-        num_proc = num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                else os.cpu_count() or 1)  # fmt: skip
+        workers = c.num_proc or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else os.cpu_count() or 1)  # fmt: skip
 
-        convs = list(iter_conversations(files, report, max_samples=max_samples, seed=seed))
-        job = _Job(template, max_seq_len, on_overflow)
+        convs = list(iter_conversations(files, report, max_samples=c.max_samples, seed=c.seed))
+        job = _Job(template, c.max_seq_len, c.on_overflow)
         chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]
         parts = _Parts(out_dir, sha256_json({"inputs": inputs, "settings": settings})[:16], len(chunks))
         started = time.perf_counter()
@@ -381,9 +375,9 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             finished = {p: s for p in range(parts.n) if (s := parts.done(p)) is not None}
             for p in sorted(finished):  # resumed: what an earlier run finished
                 account(finished[p])
-            tasks = [(i, c) for i, c in enumerate(chunks) if i // PART not in finished]
+            tasks = [(i, chunk) for i, chunk in enumerate(chunks) if i // PART not in finished]
             pending: dict[int, list[dict[str, Any]]] = {}
-            for i, res in _run(job, tasks, num_proc):
+            for i, res in _run(job, tasks, workers):
                 p = i // PART
                 pending.setdefault(p, []).append(res)
                 if len(pending[p]) == min(PART, len(chunks) - p * PART):
@@ -395,24 +389,23 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             )
         seconds = time.perf_counter() - started
         table = parts.table()
-        with atomic_path(out_dir / PREPARED_ROWS, is_dir=True) as tmp:
-            _save_quietly(datasets.Dataset(table), tmp)
+        write_rows(out_dir, table)
         counts = report.counts
         outputs = {
             "rows": table.num_rows,
             "tokens": totals["tokens"],
             "masked_tokens": totals["masked"],
             "rows_in": report.rows_in,
-            "rows_sampled": min(max_samples, report.rows_in) if max_samples else report.rows_in,
+            "rows_sampled": min(c.max_samples, report.rows_in) if c.max_samples else report.rows_in,
             "dropped_by_reason": {k: counts[k] for k in DROPS if counts[k]},
             "truncated_rows": counts["truncated"],
             "rows_split_at_turn_boundaries": totals["splits"],
         }
         manifest = output.finish(
             outputs=outputs, report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
-            chat_template=chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
+            chat_template=c.chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
             timing={"tokenize_s": round(seconds, 2), "conversations_per_s": round(len(convs) / seconds, 1),
-                    "num_proc": num_proc, "resumed_parts": len(finished)},
+                    "num_proc": workers, "resumed_parts": len(finished)},
         )  # fmt: skip
         parts.remove()
     _print_summary(out_dir, outputs, report)
@@ -420,36 +413,6 @@ def run(c: PrepareConfig) -> dict[str, Any]:
 
 
 prepare = stage_function(PrepareConfig, run, "prepare")
-
-
-def _save_quietly(ds, path: Path) -> None:
-    """``save_to_disk`` without its own progress bar (ours already covered the work)."""
-    from datasets.utils import logging as ds_logging
-
-    was = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
-    try:
-        ds.save_to_disk(str(path))
-    finally:
-        if was:
-            ds_logging.enable_progress_bar()
-
-
-ROWS_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-                         ("seq_len", pa.int32()), ("row_id", pa.int64())])  # fmt: skip
-
-
-def _rows_table(ids: np.ndarray, mask: np.ndarray, lens: np.ndarray, rows: np.ndarray) -> pa.Table:
-    """Prepared rows as an Arrow table: ragged rows as list arrays over flat values (no per-row Python)."""
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lens, dtype=np.int64)]).astype(np.int32))
-    if offsets[-1].as_py() != len(ids):
-        raise AssertionError("row lengths do not add up to the token count")
-    return pa.table({
-        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids, type=pa.int32())),
-        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask, type=pa.int8())),
-        "seq_len": pa.array(lens, type=pa.int32()),
-        "row_id": pa.array(rows, type=pa.int64()),
-    }, schema=ROWS_SCHEMA)  # fmt: skip
 
 
 def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:

@@ -29,10 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import PROMPTS
 from eyas.core.errors import EyasError
-from eyas.core.manifest import Journal, StageOutput, atomic_path, check_out, read_journal, sha256_json
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, TOKENS
+from eyas.core.files import Journal, atomic_path, read_journal, sha256_json
+from eyas.core.manifest import StageOutput, check_out
 
 __all__ = ["PROMPTS", "prompts", "user_turn_prefix"]
 
@@ -50,35 +53,39 @@ class PromptsConfig(StageConfig):
 
     stage: ClassVar[str] = "prompts"
 
-    verifier: str = option(help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it needs a chat template.")
-    out: str = option(help="the output directory.")
-    num_prompts: int = option(1000, help="how many prompts to keep.")
-    temperature: float = option(1.0, help="sampling temperature of the user turns (Magpie samples at 1).")
+    verifier: str = fields.verifier("; it needs a chat template.")
+    out: str = fields.out()
+    num_prompts: int = option(1000, range=AT_LEAST_1, help="how many prompts to keep.")
+    temperature: float = option(
+        1.0, range=AT_LEAST_0, help="sampling temperature of the user turns (Magpie samples at 1)."
+    )
     top_p: float = option(0.95, help="nucleus sampling: only the most likely tokens holding this probability.")
-    max_new_tokens: int = option(256, help="the longest prompt in tokens; a sample cut there is refused.")
-    min_words: int = option(3, help="refuse prompts of fewer words.")
+    max_new_tokens: int = option(256, range=TOKENS, help="the longest prompt in tokens; a sample cut there is refused.")
+    min_words: int = option(3, range=AT_LEAST_0, help="refuse prompts of fewer words.")
     system: str | None = option(
         None,
         help="a system message to render before the user turn (default: none, so the "
         "template's own default, if it has one, is used).",
     )
     max_attempts: int | None = option(
-        None, help="stop after this many samples even if fewer prompts were kept (default: 4 x --num-prompts)."
+        None,
+        range=AT_LEAST_1,
+        help="stop after this many samples even if fewer prompts were kept (default: 4 x --num-prompts).",
     )
-    seed: int = option(0, help="the sampling seed (each sample is seeded by its index: a rerun writes the same).")
+    seed: int = option(
+        0, range=AT_LEAST_0, help="the sampling seed (each sample is seeded by its index: a rerun writes the same)."
+    )
     batch_tokens: int | None = option(
         None,
+        recorded=False,
+        range=TOKENS,
         help="the decoding budget in tokens of key/value cache (default: 40% of "
         "the free GPU memory; 16k tokens on CPU).",
     )
-    device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
-    dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
-    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
-    chat_template: str | None = option(
-        None,
-        help="render with this template instead of the tokenizer's own: a Jinja "
-        "file, or a checkpoint whose template to use.",
-    )
+    device: str | None = fields.device()
+    dtype: str = fields.dtype()
+    trust_remote_code: bool = fields.trust_remote_code()
+    chat_template: str | None = fields.chat_template()
 
     def check(self) -> None:
         if not 0 < self.top_p <= 1:
@@ -161,9 +168,7 @@ def run(c: PromptsConfig) -> dict[str, Any]:
     prefix_ids = tok(prefix, add_special_tokens=False)["input_ids"]
     max_attempts = c.max_attempts or 4 * c.num_prompts
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256}
-    settings = {"num_prompts": c.num_prompts, "temperature": c.temperature, "top_p": c.top_p,
-                "max_new_tokens": c.max_new_tokens, "min_words": c.min_words, "system": c.system,
-                "max_attempts": max_attempts, "seed": c.seed, "dtype": str(dt).removeprefix("torch.")}  # fmt: skip
+    settings = recorded_settings(c, max_attempts=max_attempts, dtype=str(dt).removeprefix("torch."))
     out_dir = Path(c.out)
     with StageOutput(out_dir, stage="prompts") as output:
         finished = output.up_to_date(inputs=inputs, settings=settings, files=(PROMPTS,))

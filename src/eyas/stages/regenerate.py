@@ -34,10 +34,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from eyas.core import dist
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import CONVERSATIONS
 from eyas.core.errors import EyasError
-from eyas.core.manifest import Journal, StageOutput, atomic_path, check_out, read_journal, sha256_json
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, TOKENS
+from eyas.core.files import Journal, atomic_path, read_journal, sha256_json
+from eyas.core.manifest import StageOutput, check_out
 from eyas.engine.remote import Answer, Server, without_credentials
 
 __all__ = ["CONVERSATIONS", "regenerate"]
@@ -58,28 +61,31 @@ class RegenerateConfig(StageConfig):
 
     stage: ClassVar[str] = "regenerate"
 
-    verifier: str = option(
-        help="the verifier checkpoint (dir, .gguf, or 'smollm2'); it writes the answers through its own chat template."
-    )
+    verifier: str = fields.verifier("; it writes the answers through its own chat template.")
     data: str = option(
+        recorded=False,
         help="a .json/.jsonl/.parquet file or a folder of them (conversations or prompts), a named set "
         "(sharegpt, mt-bench, humaneval), an `eyas prompts` output, or a mix of those, "
-        "comma-separated: sharegpt,runs/x/prompts."
+        "comma-separated: sharegpt,runs/x/prompts.",
     )
-    out: str = option(help="the output directory.")
+    out: str = fields.out()
     max_new_tokens: int = option(
-        1024, help="the most tokens one answer may have; an answer cut there ends its conversation."
+        1024, range=TOKENS, help="the most tokens one answer may have; an answer cut there ends its conversation."
     )
     max_seq_len: int = option(
         2048,
+        range=SEQ_LEN,
         help="the longest conversation in tokens: a turn whose prompt plus "
         "--max-new-tokens would pass it is not answered and ends the conversation "
         "(train on at most this many tokens: prepare's and train's --max-seq-len).",
     )
-    max_samples: int | None = option(None, help="answer a seeded random sample of this many prompts.")
-    max_turns: int | None = option(None, help="answer at most this many user turns of each prompt (default: all).")
+    max_samples: int | None = option(None, range=AT_LEAST_1, help="answer a seeded random sample of this many prompts.")
+    max_turns: int | None = option(
+        None, range=AT_LEAST_1, help="answer at most this many user turns of each prompt (default: all)."
+    )
     temperature: float = option(
         0.0,
+        range=AT_LEAST_0,
         help="0 decodes greedily; above 0 samples (seeded per prompt and turn, so a "
         "rerun writes the same answers whatever else shares the batch).",
     )
@@ -93,43 +99,49 @@ class RegenerateConfig(StageConfig):
     )
     repetition_penalty: float = option(
         1.0,
+        range=ABOVE_0,
         help="CTRL's repetition penalty on the verifier's answers here (1: none; "
         "1.1-1.3 breaks most loops, but the draft then learns answers the "
         "verifier does not write unpenalised; local verifier only).",
     )
-    seed: int = option(0, help="the seed of the sample and of the sampling.")
+    seed: int = option(0, range=AT_LEAST_0, help="the seed of the sample and of the sampling.")
     batch_tokens: int | None = option(
         None,
+        recorded=False,
+        range=TOKENS,
         help="the decoding budget in tokens of key/value cache (sequences decoded "
         "together = this // --max-seq-len); it fixes the memory whatever the "
         "prompts (default: 40% of the free GPU memory; 16k tokens on CPU).",
     )
-    device: str | None = option(None, help="cpu or cuda (default: cuda when there is one).")
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="'auto' spreads a verifier too large for one GPU over all of them (transformers' device map; a "
-        "dict in Python places each module itself).",
-    )
-    dtype: str = option("auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16 or fp32.")
+    device: str | None = fields.device()
+    device_map: str | dict[str, Any] | None = fields.device_map()
+    dtype: str = fields.dtype()
+    # --server and --server-model are recorded as one setting, the URL without its credentials and the model
     server: str | None = option(
         None,
+        recorded=False,
         help="instead of loading the verifier, ask an OpenAI-compatible server that "
         "serves it (vLLM, SGLang): its base URL, http://host:port/v1. The "
         "verifier's tokenizer and chat template are still read here (prepare needs "
         "them); the server must serve that same model.",
     )
     server_model: str | None = option(
-        None, help="the model name to ask the server for (default: the first one it lists)."
+        None, recorded=False, help="the model name to ask the server for (default: the first one it lists)."
     )
     api_key_env: str = option(
         "OPENAI_API_KEY",
+        recorded=False,
         help="the environment variable holding the server's API key, if it "
         "needs one (the key is sent only in the request header, never "
         "written).",
     )
-    concurrency: int = option(16, help="with --server, the requests in flight at once.")
+    concurrency: int = option(
+        16, recorded=False, range=AT_LEAST_1, help="with --server, the requests in flight at once."
+    )
     server_timeout: float = option(
         600.0,
+        recorded=False,
+        range=ABOVE_0,
         help="the seconds one --server answer may take before it is retried (each "
         "is retried 6 times with backoff, as the openai client does): long "
         "enough for --max-new-tokens at a loaded server. The first request, "
@@ -137,14 +149,9 @@ class RegenerateConfig(StageConfig):
         "within about 2.5 minutes.",
     )
     strict: bool = option(False, help="stop at the first bad record instead of counting and skipping it.")
-    trust_remote_code: bool = option(False, help="allow the verifier's own tokenizer code to run.")
-    chat_template: str | None = option(
-        None,
-        help="render prompts with this template instead of the tokenizer's own "
-        "(a base model has none): a Jinja file, or a checkpoint (dir, "
-        ".gguf, hub id) whose template to use; its sha256 is recorded. With "
-        "--server the server renders them: start it with the same template "
-        "(vLLM, SGLang: --chat-template).",
+    trust_remote_code: bool = fields.trust_remote_code()
+    chat_template: str | None = fields.chat_template(
+        ". With --server the server renders them: start it with the same template (vLLM, SGLang: --chat-template)."
     )
 
     def check(self) -> None:
@@ -169,32 +176,22 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
     from eyas.verifier.load import load_tokenizer
     from eyas.verifier.info import fingerprint, resolve
 
-    verifier, data, out, max_new_tokens, max_seq_len = c.verifier, c.data, c.out, c.max_new_tokens, c.max_seq_len
-    max_samples, max_turns, temperature, seed = c.max_samples, c.max_turns, c.temperature, c.seed
-    batch_tokens, device, device_map, dtype, server = c.batch_tokens, c.device, c.device_map, c.dtype, c.server
-    server_model, api_key_env, concurrency = c.server_model, c.api_key_env, c.concurrency
-    server_timeout, strict, trust_remote_code = c.server_timeout, c.strict, c.trust_remote_code
-    chat_template = c.chat_template
+    check_out(c.out, stage="regenerate")  # another stage's folder, refused before the verifier loads (and again below)
+    dev, dt = device_and_dtype(c.device, c.dtype)
 
-    check_out(out, stage="regenerate")  # another stage's folder, refused before the verifier loads (and again below)
-    dev, dt = device_and_dtype(device, dtype)
-
-    info = resolve(verifier)
-    files, _, _ = open_source(data)
-    tok = load_tokenizer(info, trust_remote_code=trust_remote_code, chat_template=chat_template)
-    template = ChatTemplate(tok, where=chat_template or str(info.path))  # refuses one eyas could not mask afterwards
+    info = resolve(c.verifier)
+    files, _, _ = open_source(c.data)
+    tok = load_tokenizer(info, trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)
+    template = ChatTemplate(tok, where=c.chat_template or str(info.path))  # refuses one eyas could not mask afterwards
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256,
-              "data": {"source": str(data), "sha256": source_sha256(files)}}  # fmt: skip
-    settings = {"max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len, "max_samples": max_samples,
-                "max_turns": max_turns, "temperature": temperature, "seed": seed, "strict": strict,
-                "loops": c.loops, "repetition_penalty": c.repetition_penalty}  # fmt: skip
-    if server:  # where the answers come from (a URL's user:password part is never recorded)
-        settings["server"] = {"url": without_credentials(server), "model": server_model}
+              "data": {"source": str(c.data), "sha256": source_sha256(files)}}  # fmt: skip
+    if c.server:  # where the answers come from (a URL's user:password part is never recorded)
+        settings = recorded_settings(c, server={"url": without_credentials(c.server), "model": c.server_model})
     else:  # precision moves greedy answers by a token now and then
-        settings["dtype"] = str(dt).removeprefix("torch.")
-    out_dir = Path(out)
-    with dist.init(device_type="cuda" if dev.type == "cuda" and not server else "cpu") as d:
-        if device_map is not None and d.active:
+        settings = recorded_settings(c, dtype=str(dt).removeprefix("torch."))
+    out_dir = Path(c.out)
+    with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
+        if c.device_map is not None and d.active:
             raise EyasError("--device-map spreads one verifier over all GPUs in one process; do not use it under "
                             "torchrun (or run one process)")  # fmt: skip
         with StageOutput(out_dir, stage="regenerate", d=d) as output:
@@ -220,21 +217,17 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                           "conversations); skipping")  # fmt: skip
                 return manifest
             d.barrier("start of regeneration")
-            prompts, report = load_prompts(data, max_samples=max_samples, seed=seed, strict=strict)
+            prompts, report = load_prompts(c.data, max_samples=c.max_samples, seed=c.seed, strict=c.strict)
             finished = read_journals(parts)
             todo = [i for i in range(d.rank, len(prompts), d.world_size) if i not in finished]
             started = time.perf_counter()
             new_tokens = 0
             if todo:
-                backend = _backend(server=server, server_model=server_model, api_key_env=api_key_env,
-                                   concurrency=concurrency, server_timeout=server_timeout, info=info, tok=tok, device=dev, device_map=device_map,
-                                   dtype=dt, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len,
-                                   batch_tokens=batch_tokens, temperature=temperature, seed=seed, d=d,
-                                   repetition_penalty=c.repetition_penalty)  # fmt: skip
+                backend = _backend(c, info=info, tok=tok, device=dev, dtype=dt, d=d)
                 mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
                 desc = "regenerate" + (f" (rank 0 of {d.world_size})" if d.active else "")
                 with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
-                    new_tokens = _converse(prompts, todo, backend, max_turns=max_turns, journal=journal,
+                    new_tokens = _converse(prompts, todo, backend, max_turns=c.max_turns, journal=journal,
                                            done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
                                            loops=LoopPolicy(c.loops, tok))  # fmt: skip
             seconds = max(d.all_gather(time.perf_counter() - started))
@@ -263,7 +256,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                                         f"or its prompt too long ({totals['prompt_too_long']})")  # fmt: skip
                 outputs = {"prompts": len(prompts), "rows_in": report.rows_in, **totals}
                 m = output.finish(
-                    outputs=outputs, report=report.to_json(), verifier_path=str(info.path), chat_template=chat_template,
+                    outputs=outputs, report=report.to_json(), verifier_path=str(info.path),
+                    chat_template=c.chat_template,
                     timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
                             "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
                 )  # fmt: skip
@@ -404,20 +398,21 @@ def _request_seed(seed: int, i: int, turn: int) -> int:
     return (seed * 1_000_003 + i) * 1_009 + turn
 
 
-def _backend(*, server, server_model, api_key_env, concurrency, server_timeout, info, tok, device, device_map, dtype,
-             max_new_tokens, max_seq_len, batch_tokens, temperature, seed, d, repetition_penalty=1.0):  # fmt: skip
-    if server:
-        return ServerBackend(Server(server, server_model, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed, concurrency=concurrency, api_key_env=api_key_env,
-                                    timeout=server_timeout))  # fmt: skip
+def _backend(c: RegenerateConfig, *, info, tok, device, dtype, d):
+    """Where ``c``'s answers come from: its ``--server``, or the verifier loaded here on ``device`` in ``dtype``
+    (resolved from ``c``)."""
+    if c.server:
+        return ServerBackend(Server(c.server, c.server_model, max_new_tokens=c.max_new_tokens,
+                                    temperature=c.temperature, seed=c.seed, concurrency=c.concurrency,
+                                    api_key_env=c.api_key_env, timeout=c.server_timeout))  # fmt: skip
     from eyas.engine.generate import default_batch_tokens
     from eyas.verifier.load import build_text_model
 
-    where = None if device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
-    model = build_text_model(info, dtype=dtype, device=where, device_map=device_map)
-    budget = batch_tokens or default_batch_tokens(model, max_len=max_seq_len)
-    return LocalBackend(model, tok, max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, batch_tokens=budget,
-                        temperature=temperature, seed=seed, repetition_penalty=repetition_penalty)  # fmt: skip
+    where = None if c.device_map else (d.device(device.type) if d.active else device)  # one GPU per rank
+    model = build_text_model(info, dtype=dtype, device=where, device_map=c.device_map)
+    budget = c.batch_tokens or default_batch_tokens(model, max_len=c.max_seq_len)
+    return LocalBackend(model, tok, max_new_tokens=c.max_new_tokens, max_seq_len=c.max_seq_len, batch_tokens=budget,
+                        temperature=c.temperature, seed=c.seed, repetition_penalty=c.repetition_penalty)  # fmt: skip
 
 
 class LocalBackend:

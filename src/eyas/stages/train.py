@@ -28,13 +28,16 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from eyas.training.batches import FeatureRows, PreparedRows, load_vocab, row_counts
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.data.vocab_map import load_vocab
+from eyas.training.batches import FeatureRows, PreparedRows, row_counts
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
+from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, SHARE, TOKENS
 from eyas.training.loss import CHUNK_TOKENS, TargetHead
 from eyas.training.precision import use_working_weights
 from eyas.training.log import METRICS, PLOT, accuracy_measure, plot_curves, print_summary
-from eyas.training.trainer import CHECKPOINTS, Options, Trainer, compile_draft, save_output
+from eyas.training.trainer import CHECKPOINTS, Trainer, compile_draft, save_output
 
 STAGE = "train"
 
@@ -49,18 +52,19 @@ class TrainConfig(StageConfig):
 
     stage: ClassVar[str] = "train"
 
-    verifier: str = option(aliases=("--verifier-path",), help="the verifier checkpoint (dir, .gguf, 'smollm2').")
+    verifier: str = fields.verifier(aliases=("--verifier-path",))
     data: str = option(
+        recorded=False,
         aliases=("--data-dir",),
         help="features from `eyas extract` (offline), or prepared rows from `eyas prepare` with --online.",
     )
-    out: str = option(
+    out: str = fields.out(
+        ": the draft (config.json + model.safetensors), checkpoints/, metrics.jsonl, tensorboard/.",
         aliases=("--output-dir",),
-        help="output directory: the draft (config.json + model.safetensors), "
-        "checkpoints/, metrics.jsonl, tensorboard/.",
     )
     vocab: str | None = option(
         None,
+        recorded=False,
         aliases=("--vocab-mapping-dir",),
         help="an `eyas vocab` directory (d2t.npy, t2d.npy); default: the whole verifier vocab.",
     )
@@ -68,29 +72,46 @@ class TrainConfig(StageConfig):
         False, help="run the verifier in the loop on prepared rows (nothing written to disk but the draft)."
     )
     layers: list[int] | None = option(
-        None, help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3]."
+        None,
+        recorded=False,
+        help="three aux layer ids (online only; offline they come from the features); default [2, L//2, L-3].",
     )
-    epochs: int = option(10, help="passes over the training rows.")
-    lr: float = option(1e-4, help="peak learning rate.")
-    max_seq_len: int = option(2048, help="tokens per packed sequence; longer rows are truncated (and counted).")
+    epochs: int = option(10, range=AT_LEAST_1, help="passes over the training rows.")
+    lr: float = option(1e-4, range=ABOVE_0, help="peak learning rate.")
+    max_seq_len: int = option(
+        2048, range=SEQ_LEN, help="tokens per packed sequence; longer rows are truncated (and counted)."
+    )
     batch_tokens: int | None = option(
-        None, help="tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence)."
+        None, range=TOKENS, help="tokens per micro-batch and rank, a multiple of --max-seq-len (default: one sequence)."
     )
-    grad_accum: int = option(1, help="micro-batches per rank and optimizer step.")
+    grad_accum: int = option(1, range=AT_LEAST_1, help="micro-batches per rank and optimizer step.")
     ttt_steps: int = option(
-        3, help="training-time-test steps (tokens drafted per position); also the draft's speculative_tokens."
+        3,
+        range=AT_LEAST_1,
+        help="training-time-test steps (tokens drafted per position); also the draft's speculative_tokens.",
     )
-    step_loss_decay: float = option(1.0, help="weight of TTT step k is decay**k (1: every step equally).")
-    val_ratio: float = option(0.02, help="share of rows held out for validation at each epoch's end.")
-    num_workers: int = option(2, help="DataLoader worker processes.")
-    warmup_steps: int | None = option(None, help="linear warmup steps (default: 3% of all steps).")
+    step_loss_decay: float = option(
+        1.0, range=AT_LEAST_0, help="weight of TTT step k is decay**k (1: every step equally)."
+    )
+    val_ratio: float = option(0.02, range=SHARE, help="share of rows held out for validation at each epoch's end.")
+    num_workers: int = option(2, recorded=False, range=AT_LEAST_0, help="DataLoader worker processes.")
+    warmup_steps: int | None = option(None, range=AT_LEAST_0, help="linear warmup steps (default: 3% of all steps).")
     schedule: Literal["cosine", "linear", "constant"] = option("cosine", help="learning-rate decay after warmup.")
-    weight_decay: float = option(0.0, help="AdamW weight decay on matrices (norms never decay).")
-    clip: float = option(0.5, help="gradient-norm clip (0: off).")
-    seed: int = option(0, help="seeds the draft's init, the validation split and each epoch's packing order.")
-    save_every: int = option(1000, help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).")
-    keep_checkpoints: int = option(2, help="how many checkpoints to keep.")
-    log_every: int = option(10, help="log metrics (and sync the device) every N steps.")
+    weight_decay: float = option(0.0, range=AT_LEAST_0, help="AdamW weight decay on matrices (norms never decay).")
+    clip: float = option(0.5, range=AT_LEAST_0, help="gradient-norm clip (0: off).")
+    seed: int = option(
+        0, range=AT_LEAST_0, help="seeds the draft's init, the validation split and each epoch's packing order."
+    )
+    save_every: int = option(
+        1000,
+        recorded=False,
+        range=AT_LEAST_0,
+        help="checkpoint every N optimizer steps (and at each epoch's end; 0: only there).",
+    )
+    keep_checkpoints: int = option(2, recorded=False, range=AT_LEAST_1, help="how many checkpoints to keep.")
+    log_every: int = option(
+        10, recorded=False, range=AT_LEAST_1, help="log metrics (and sync the device) every N steps."
+    )
     optimizer: Literal["adamw", "muon"] = option(
         "adamw", help="adamw, or muon (speculators' default: Muon on matrices, AdamW on norms and lm_head)."
     )
@@ -109,21 +130,24 @@ class TrainConfig(StageConfig):
         "and overstates tau.",
     )
     dist: Literal["ddp", "fsdp"] = option("ddp", help="under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard).")
-    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when there is one).")
-    device_map: str | dict[str, Any] | None = option(
-        None,
-        help="with --online, spread the verifier over the GPUs and host memory as transformers places it "
-        "('auto'; a dict in Python) while the draft trains on --device; one process only.",
+    device: str | None = fields.device()
+    device_map: str | dict[str, Any] | None = fields.device_map(
+        "; with --online only, while the draft trains on --device."
     )
-    compile: bool | None = option(None, help="torch.compile the draft layer and the loss (default: on CUDA).")
+    # how a step runs, not what it computes (not recorded), from here to --loader-embeddings
+    compile: bool | None = option(
+        None, recorded=False, help="torch.compile the draft layer and the loss (default: on CUDA)."
+    )
     gradient_checkpointing: bool = option(
         False,
+        recorded=False,
         help="recompute each TTT step's layer in backward: far less "
         "activation memory (long sequences, big drafts) for about a "
         "third more layer compute.",
     )
     working_weights: bool | None = option(
         None,
+        recorded=False,
         help="compute with working copies of the weights cast once per "
         "optimizer step, the weight gradients coming out of their "
         "matmuls in fp32 (default: on, except under --dist fsdp, which "
@@ -131,6 +155,7 @@ class TrainConfig(StageConfig):
     )
     deferred_wgrad: bool | None = option(
         None,
+        recorded=False,
         help="with working weights, accumulate each layer weight's gradient "
         "over the TTT steps in one fp32 buffer by its matmuls, handing "
         "autograd the sum once instead of forming one gradient per step "
@@ -140,58 +165,83 @@ class TrainConfig(StageConfig):
     )
     loader_embeddings: bool | None = option(
         None,
+        recorded=False,
         help="keep the frozen embedding in host memory and let the data "
         "loader look each batch's rows up, instead of holding the "
         "table on the device (1 GiB at Llama-3.1-8B's vocab, 2.2 GiB "
         "at Kimi-K2.5's; default: on for offline training on CUDA with "
         "loader workers and without --dist fsdp).",
     )
+    # the draft's shape, from here to --head-dim (and --layers): recorded as the DraftConfig it makes
     norm_before_residual: bool = option(
         False,
+        recorded=False,
         help="layout variant: residual = hidden_norm(h) (speculators' default; served by vLLM, by no SGLang release).",
     )
     norm_before_fc: bool = option(
         False,
+        recorded=False,
         help="layout variant: one RMSNorm over the three concatenated aux states "
         "before fc (gpt-oss drafts; served by vLLM >= 0.19.0 and SGLang >= "
         "0.5.17).",
     )
     fc_norm: bool = option(
         False,
+        recorded=False,
         help="layout variant (the EAGLE-3.1 paper's): an RMSNorm over each aux state before "
         "fc; excludes --norm-before-fc (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
     )
     norm_output: bool = option(
         False,
+        recorded=False,
         help="layout variant (EAGLE-3.1): the next step reads the normed output instead "
         "of the pre-norm one (served by vLLM >= 0.25.0 and SGLang >= 0.5.12).",
     )
     draft_arch: Literal["llama", "qwen3"] = option(
         "llama",
+        recorded=False,
         help="the draft's decoder layer: llama (EAGLE-3), or qwen3 (an RMSNorm over each query and key head "
         "before RoPE, speculators' default draft layer; served by vLLM >= 0.24.0, by no SGLang release).",
     )
     num_layers: int = option(
         1,
+        recorded=False,
         help="draft decoder layers: the first reads the token embedding and the hidden state, "
         "each later one the previous layer's output (served by vLLM >= 0.11.1 and SGLang "
         ">= 0.5.12).",
     )
-    intermediate_size: int | None = option(None, help="draft MLP width (default: the verifier's).")
-    num_attention_heads: int | None = option(
-        None, help="draft query heads (default: the verifier's; MLA verifiers: as many)."
+    intermediate_size: int | None = option(
+        None, recorded=False, range=AT_LEAST_1, help="draft MLP width (default: the verifier's)."
     )
-    num_key_value_heads: int | None = option(None, help="draft KV heads (default: the verifier's; MLA verifiers: 8).")
-    head_dim: int | None = option(None, help="draft head dim (default: the verifier's, or hidden / heads).")
+    num_attention_heads: int | None = option(
+        None,
+        recorded=False,
+        range=AT_LEAST_1,
+        help="draft query heads (default: the verifier's; MLA verifiers: as many).",
+    )
+    num_key_value_heads: int | None = option(
+        None, recorded=False, range=AT_LEAST_1, help="draft KV heads (default: the verifier's; MLA verifiers: 8)."
+    )
+    head_dim: int | None = option(
+        None, recorded=False, range=AT_LEAST_1, help="draft head dim (default: the verifier's, or hidden / heads)."
+    )
+    # (recorded: the name config.json records; another one is another output)
     verifier_name: str | None = option(
         None, help="verifier name_or_path written into config.json for vLLM (default: the --verifier path)."
     )
-    max_steps: int | None = option(None, help="stop after N optimizer steps (smoke runs and benchmarks).")
+    max_steps: int | None = option(
+        None, range=AT_LEAST_1, help="stop after N optimizer steps (smoke runs and benchmarks)."
+    )
     profile_every: int = option(
-        0, help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times."
+        0,
+        recorded=False,
+        range=AT_LEAST_0,
+        help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.",
     )
     loss_chunk_tokens: int = option(
         CHUNK_TOKENS,
+        recorded=False,
+        range=AT_LEAST_1,
         help="positions per chunk of the fused loss (its logits buffer is "
         "this x the draft vocab); positions no TTT step scores "
         "(prompts, packing padding) are skipped in whole chunks of "
@@ -236,7 +286,7 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
     import os
 
     from eyas.data.features import NUM_STATES
-    from eyas.core.manifest import human_bytes
+    from eyas.core.files import human_bytes
 
     per_token = NUM_STATES * hidden * dtype.itemsize + 4 * 8
     need = grad_accum * batch_tokens * per_token
@@ -256,7 +306,8 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
 
 def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.draft.attention import default_attn_implementation
-    from eyas.core.manifest import MANIFEST, StageOutput, read_json, sha256_json
+    from eyas.core.files import read_json, sha256_json
+    from eyas.core.manifest import MANIFEST, StageOutput
     from eyas.draft.model import DraftConfig, Eagle3Draft
     from eyas.verifier.load import build_text_model, load_head_tensors
     from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve
@@ -270,15 +321,14 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     compute_dtype = torch.bfloat16 if cuda else torch.float32
     fp = fingerprint(info)
-    ttt_steps, max_len = c.ttt_steps, c.max_seq_len
-    batch_tokens = c.batch_tokens or max_len
+    batch_tokens = c.batch_tokens or c.max_seq_len
 
     # ---- inputs, all checked before anything runs
     if c.device_map is not None and (not c.online or d.active):
         raise EyasError("--device-map spreads the verifier of an --online run over the GPUs of one process; it "
                         "needs --online and no torchrun")  # fmt: skip
     if c.online:
-        from eyas.data.datasets import prepared_verifier
+        from eyas.data.prepared import prepared_verifier
 
         source = PreparedRows(c.data)
         if prepared_verifier(source.manifest) != fp:
@@ -316,12 +366,12 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         raise EyasError(f"cannot shape a draft for {info.path}: {e}") from e
     if c.dist == "fsdp" and c.optimizer == "muon" and d.active:
         raise EyasError("--optimizer muon needs whole matrices; use --dist ddp with it")
-    check_batch_memory(max_len=max_len, batch_tokens=batch_tokens, grad_accum=c.grad_accum, hidden=info.hidden_size,
-                       dtype=compute_dtype, where=where)  # fmt: skip
+    check_batch_memory(max_len=c.max_seq_len, batch_tokens=batch_tokens, grad_accum=c.grad_accum,
+                       hidden=info.hidden_size, dtype=compute_dtype, where=where)  # fmt: skip
 
     flat, offsets = source.masks()
-    lengths, counts = row_counts(flat, offsets, max_len=max_len, ttt_steps=ttt_steps)
-    truncated = int((np.diff(offsets) > max_len).sum())
+    lengths, counts = row_counts(flat, offsets, max_len=c.max_seq_len, ttt_steps=c.ttt_steps)
+    truncated = int((np.diff(offsets) > c.max_seq_len).sum())
     perm = np.random.default_rng(c.seed).permutation(len(lengths))
     n_val = int(round(len(lengths) * c.val_ratio)) if c.val_ratio > 0 else 0
     n_val = min(max(n_val, 1 if c.val_ratio > 0 and len(lengths) > 1 else 0), len(lengths) - 1)
@@ -332,30 +382,10 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
     if not len(rows_train):
         raise EyasError(f"{c.data} has no training row with a loss-masked token past position 1")
 
-    keys = (
-        "online",
-        "epochs",
-        "lr",
-        "max_seq_len",
-        "grad_accum",
-        "ttt_steps",
-        "step_loss_decay",
-        "val_ratio",
-        "warmup_steps",
-        "schedule",
-        "weight_decay",
-        "clip",
-        "seed",
-        "optimizer",
-        "freeze_lm_head",
-        "drop_out_of_vocab",
-        "full_vocab_accuracy",
-        "max_steps",
-        "verifier_name",
-    )  # fmt: skip  (the name config.json records: another one is another output)
-    settings = {k: getattr(c, k) for k in keys}
-    settings.update(batch_tokens=batch_tokens, world_size=d.world_size, dist=c.dist if d.active else None,
-                    draft=cfg.to_dict(), compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
+    # the draft's shape (--layers, --num-layers, the layout variants) is recorded as the DraftConfig it makes
+    settings = recorded_settings(c, batch_tokens=batch_tokens, world_size=d.world_size,
+                                 dist=c.dist if d.active else None, draft=cfg.to_dict(),
+                                 compute_dtype=str(compute_dtype).removeprefix("torch."))  # fmt: skip
     inputs = {"verifier": fp, "data": source.identity(), "vocab": vocab_id,
               # the template the rows were rendered with, for `eyas eval` to compare (offline: through extract)
               "chat_template_sha256": source.manifest.get("inputs", {}).get("chat_template_sha256")}  # fmt: skip
@@ -444,18 +474,10 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
 
             archs = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[info.text_model_type]] \
                 if info.text_model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else []  # fmt: skip
-        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs, "ttt_steps": ttt_steps}
-        o = Options(epochs=c.epochs, lr=c.lr, max_seq_len=max_len, seqs_per_micro_batch=batch_tokens // max_len,
-                    grad_accum=c.grad_accum, ttt_steps=ttt_steps,
-                    step_weights=[c.step_loss_decay ** k for k in range(ttt_steps)], warmup_steps=c.warmup_steps,
-                    schedule=c.schedule, weight_decay=c.weight_decay, clip=c.clip, seed=c.seed,
-                    optimizer=c.optimizer, drop_out_of_vocab=c.drop_out_of_vocab, num_workers=c.num_workers,
-                    save_every=c.save_every, keep_checkpoints=c.keep_checkpoints, log_every=c.log_every,
-                    max_steps=c.max_steps, profile_every=c.profile_every,
-                    deferred_wgrad=deferred, loss_chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
-        trainer = Trainer(d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
-                          verifier_model=verifier_model, layer_ids=layer_ids, o=o, out=out, rows_train=rows_train,
-                          rows_val=rows_val, lengths=lengths, counts=counts, dist_mode=c.dist, compiled=compiled,
+        save_meta = {"verifier_name": c.verifier_name or info.path, "architectures": archs, "ttt_steps": c.ttt_steps}
+        trainer = Trainer(c, d=d, device=where, cfg=cfg, draft=draft, head=head, source=source,
+                          verifier_model=verifier_model, layer_ids=layer_ids, rows_train=rows_train, rows_val=rows_val,
+                          lengths=lengths, counts=counts, compiled=compiled, deferred_wgrad=deferred,
                           fingerprint=run_id, save_meta=save_meta,
                           loader_embed=draft.embed_tokens.weight.detach() if on_host else None)  # fmt: skip
         if d.is_main:
@@ -465,7 +487,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
                   f"{d.world_size} rank(s) x {c.grad_accum} x {batch_tokens} tokens; draft {trainable / 1e6:.1f}M "
                   f"trainable parameters, vocab {len(d2t)}/{info.vocab_size}, layers {layer_ids}, "
                   f"{'online' if c.online else 'offline'}, {where}"
-                  + (f"; {truncated} row(s) truncated to {max_len}" if truncated else "")
+                  + (f"; {truncated} row(s) truncated to {c.max_seq_len}" if truncated else "")
                   + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
         result = trainer.run()
         # what the defaults resolved to on this machine (the settings record what was asked for)
@@ -476,7 +498,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         val = result["val"]
         if d.is_main:
             save_output(out, cfg, state, **save_meta)
-            plot_curves(out, ttt_steps, accuracy=accuracy)
+            plot_curves(out, c.ttt_steps, accuracy=accuracy)
             summary = {k: v for k, v in result.items() if k not in ("train", "val")}
             # val_rows: indices into --data's rows, which `eyas eval --offline` reads
             summary.update(train=result["train"], val=val, accuracy=accuracy, truncated_rows=truncated,

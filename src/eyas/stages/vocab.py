@@ -9,13 +9,8 @@ are sorted ascending. When fewer than ``N`` distinct tokens occur, the lowest
 unused ids fill the rest, as speculators' ``build_vocab_mappings_from_distribution``
 does (speculators ``src/speculators/data_generation/vocab_mapping.py``).
 
-Files, in speculators' layout (its ``train.py`` reads them with
-``torch.from_numpy(np.load(path))``):
-
-- ``d2t.npy``: int64 ``[N]`` offsets, ``target_id = draft_id + d2t[draft_id]``;
-- ``t2d.npy``: bool ``[V_target]``, True on the target ids in the draft vocab;
-- ``manifest.json`` (stage ``vocab``): the coverage report, ``draft_vocab_size``,
-  ``vocab_size`` (the target's), and the prepared rows' identity as input.
+It writes ``d2t.npy`` and ``t2d.npy`` in speculators' layout, the format of :mod:`eyas.data.vocab_map`, and a
+``manifest.json`` with the coverage report.
 """
 
 from __future__ import annotations
@@ -27,9 +22,13 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core import fields
+from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.core.errors import EyasError
-from eyas.core.manifest import StageOutput, atomic_path, sha256_json
+from eyas.core.validate import AT_LEAST_1
+from eyas.core.manifest import StageOutput
+from eyas.data.prepared import PreparedReader
+from eyas.data.vocab_map import D2T, T2D, mapping, write_vocab_map
 
 DEFAULT_DRAFT_VOCAB = 32000
 
@@ -76,24 +75,16 @@ def select_draft_vocab(counts: np.ndarray, n: int) -> np.ndarray:
     return np.sort(seen)
 
 
-def mapping(selected: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(d2t, t2d)`` for sorted draft ids ``selected``: int64 offsets ``[N]`` and a bool mask ``[V]``."""
-    d2t = selected.astype(np.int64) - np.arange(len(selected), dtype=np.int64)
-    t2d = np.zeros(vocab_size, dtype=bool)
-    t2d[selected] = True
-    return d2t, t2d
-
-
 @dataclass(kw_only=True, frozen=True)
 class VocabConfig(StageConfig):
     """Choose the draft vocabulary from prepared rows and write d2t.npy / t2d.npy in speculators' layout."""
 
     stage: ClassVar[str] = "vocab"
 
-    data: str = option(help="an `eyas prepare` output directory.")
-    out: str = option(help="the output directory.")
+    data: str = option(recorded=False, help="an `eyas prepare` output directory.")
+    out: str = fields.out()
     draft_vocab_size: int | None = option(
-        None, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
+        None, range=AT_LEAST_1, help="tokens in the draft vocab (default: 32000, or the verifier vocab when smaller)."
     )
     count: Literal["masked", "all"] = option(
         "masked", help="count tokens at loss-masked positions only (masked), or at every position (all)."
@@ -102,46 +93,36 @@ class VocabConfig(StageConfig):
 
 def run(c: VocabConfig) -> dict[str, Any]:
     """Run `eyas vocab` as ``c`` describes (see :class:`VocabConfig`)."""
-    from eyas.training.batches import PreparedRows
-
-    data, out, draft_vocab_size, count = c.data, c.out, c.draft_vocab_size, c.count
-    source = PreparedRows(data)
+    source = PreparedReader(c.data)
     prepared = source.manifest
     V = int(prepared.get("vocab_size") or 0)
     if V <= 0:
-        raise EyasError(f"{Path(data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
-    n = draft_vocab_size if draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, V)
+        raise EyasError(f"{Path(c.data) / 'manifest.json'} has no vocab_size; run `eyas prepare` again")
+    n = c.draft_vocab_size if c.draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, V)
     if not 1 <= n <= V:
         raise EyasError(
             f"--draft-vocab-size {n} must be between 1 and the verifier vocab size {V} "
             f"(the draft vocab is a subset of the verifier's)"
         )
     if len(source) == 0:
-        raise EyasError(f"{data} holds no rows: there is nothing to count; prepare more data")
-    identity = {k: prepared.get(k) for k in ("stage", "inputs", "settings", "outputs")}
-    inputs = {
-        "prepared_sha256": sha256_json(identity),
-        "verifier": prepared.get("inputs", {}).get("verifier"),
-        "chat_template_sha256": prepared.get("inputs", {}).get("chat_template_sha256"),
-    }
-    settings = {"draft_vocab_size": n, "count": count}
-    out_dir = Path(out)
+        raise EyasError(f"{c.data} holds no rows: there is nothing to count; prepare more data")
+    inputs = source.counted_from()
+    settings = recorded_settings(c, draft_vocab_size=n)
+    out_dir = Path(c.out)
     with StageOutput(out_dir, stage="vocab") as output:
-        manifest = output.up_to_date(inputs=inputs, settings=settings, files=("d2t.npy", "t2d.npy"))
+        manifest = output.up_to_date(inputs=inputs, settings=settings, files=(D2T, T2D))
         if manifest is not None:
             print(f"vocab: {out_dir} is up to date (draft vocab {n}); skipping")
             return manifest
-        masked, every = count_tokens(source.ds, V, where=str(data))
-        counts = masked if count == "masked" else every
+        masked, every = count_tokens(source.ds, V, where=str(c.data))
+        counts = masked if c.count == "masked" else every
         if counts.sum() == 0:
-            raise EyasError(f"{data} has no {'loss-masked ' if count == 'masked' else ''}tokens to count")
+            raise EyasError(f"{c.data} has no {'loss-masked ' if c.count == 'masked' else ''}tokens to count")
         selected = select_draft_vocab(counts, n)
         d2t, t2d = mapping(selected, V)
-        for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
-            with atomic_path(out_dir / name) as tmp, open(tmp, "wb") as f:
-                np.save(f, arr, allow_pickle=False)
+        write_vocab_map(out_dir, d2t, t2d)
         outputs = _coverage(masked, every, t2d, counts)
-        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(data))
+        manifest = output.finish(outputs=outputs, draft_vocab_size=n, vocab_size=V, data_path=str(c.data))
     print(
         f"vocab: draft vocab {n:,} of {V:,} target tokens -> {out_dir}\n"
         f"  covers {outputs['masked_coverage']:.2%} of {outputs['masked_tokens']:,} masked tokens "

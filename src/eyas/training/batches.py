@@ -8,7 +8,6 @@ one process with ``G*W`` accumulation steps sees exactly the micro-batches ``W``
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.core.errors import EyasError
+from eyas.data.prepared import PreparedReader
 from eyas.training.loss import CHUNK_TOKENS, scored_rows, target_rows
 
 OPEN_BINS = 64  # sequences kept open while packing (best fit among them)
@@ -74,81 +73,20 @@ class FeatureRows:
         return np.concatenate(flat), np.concatenate(offsets)
 
     def identity(self) -> dict[str, Any]:
-        from eyas.core.manifest import sha256_json
+        from eyas.core.files import sha256_json
 
         return {"features": sha256_json([s["sha256"] for s in self.reader.shards]), "rows": len(self)}
 
 
-class PreparedRows:
-    """An ``eyas prepare`` output (a ``datasets`` dataset, memory-mapped): the one reader of prepared rows, for
-    online training (a row at a time, every loss mask at once; features come from the verifier per batch) and
-    for extraction (ranges of rows as arrays, :meth:`fetch`)."""
+class PreparedRows(PreparedReader):
+    """Online rows: an ``eyas prepare`` output (:class:`eyas.data.prepared.PreparedReader`), a row at a time;
+    features come from the verifier per batch."""
 
     online = True
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        from eyas.data.datasets import load_prepared
-
-        ds, self.manifest = load_prepared(path)
-        self.path = Path(path)
-        self._files = [f["filename"] for f in ds.cache_files]
-        self._hashes: list[str] | None = None
-        self.ds = ds.with_format("numpy")
-        self.lengths = np.asarray(self.ds["seq_len"], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
 
     def row(self, i: int) -> Row:
         r = self.ds[int(i)]
         return Row(torch.from_numpy(np.asarray(r["input_ids"], np.int64)), torch.from_numpy(r["loss_mask"] != 0))
-
-    def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Rows ``[start, end)`` as ``(input_ids int64, loss_mask bool)`` arrays, each checked against its
-        ``seq_len``."""
-        part = self.ds[start:end]
-        out = []
-        for r, (ids, mask) in enumerate(zip(part["input_ids"], part["loss_mask"])):
-            ids, mask = np.asarray(ids, np.int64), np.asarray(mask).astype(bool)
-            if not len(ids) == len(mask) == self.lengths[start + r]:
-                raise EyasError(
-                    f"{self.path}: row {start + r} has {len(ids)} input_ids, {len(mask)} loss_mask values and "
-                    f"seq_len {self.lengths[start + r]}; they must agree: run `eyas prepare` again"
-                )
-            out.append((ids, mask))
-        return out
-
-    def masks(self) -> tuple[np.ndarray, np.ndarray]:
-        col = self.ds.data.column("loss_mask").combine_chunks()
-        offsets = np.asarray(col.offsets, dtype=np.int64)
-        flat = np.asarray(col.values, dtype=np.int8) != 0
-        if len(offsets) - 1 != len(self.lengths) or not np.array_equal(np.diff(offsets), self.lengths):
-            raise EyasError(f"{self.path}: loss_mask lengths disagree with seq_len; run `eyas prepare` again")
-        return flat, offsets
-
-    def file_hashes(self) -> list[str]:
-        """The sha256 of each of the dataset's Arrow files, in order (read once)."""
-        if self._hashes is None:
-            from eyas.core.manifest import sha256_file
-
-            self._hashes = [sha256_file(f) for f in self._files]
-        return self._hashes
-
-    def identity(self) -> dict[str, Any]:
-        """What a draft trained online was trained on, as train's manifest records it."""
-        return {"prepared": self.file_hashes(), "rows": len(self)}
-
-    def extracted_from(self) -> dict[str, Any]:
-        """What features extracted from these rows were made from, as extract's manifest records it: the same
-        file hashes, as one digest (:func:`arrow_sha256`), with row and token counts. (Two records of one
-        hashing, each in the form its stage's manifests have held since they were first written, so that
-        outputs already on disk still match.)"""
-        return {"rows": len(self), "tokens": int(self.lengths.sum()), "arrow_sha256": arrow_sha256(self.file_hashes())}
-
-
-def arrow_sha256(file_hashes: list[str]) -> str:
-    """One digest of a prepared dataset's Arrow files: sha256 over their sha256 hex digests, in order."""
-    return hashlib.sha256("".join(file_hashes).encode()).hexdigest()
 
 
 def row_counts(flat: np.ndarray, offsets: np.ndarray, *, max_len: int, ttt_steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -160,47 +98,6 @@ def row_counts(flat: np.ndarray, offsets: np.ndarray, *, max_len: int, ttt_steps
     cs = np.concatenate([[0], np.cumsum(flat, dtype=np.int64)])
     counts = np.stack([cs[ends] - cs[np.minimum(starts + 2 + k, ends)] for k in range(ttt_steps)], axis=1)
     return lengths, counts
-
-
-def load_vocab(path: str | os.PathLike | None, *, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``d2t`` (int64 offsets, ``target = draft + d2t[draft]``) and ``t2d`` (bool ``[V]``) from an ``eyas vocab``
-    directory, checked against the verifier; without a path, the whole verifier vocab."""
-    if path is None:
-        return torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool), {"full": vocab_size}
-    from eyas.core.manifest import read_json, sha256_file
-
-    p = Path(path)
-    arrays = {}
-    for name in ("d2t", "t2d"):
-        f = p / f"{name}.npy"
-        if not f.is_file():
-            raise EyasError(f"{f} not found: --vocab must be a directory written by `eyas vocab`")
-        try:
-            arrays[name] = np.load(f, allow_pickle=False)
-        except ValueError as e:
-            raise EyasError(f"{f} is not a plain .npy array ({e}); run `eyas vocab` again") from e
-    d2t, t2d = arrays["d2t"], arrays["t2d"]
-    if (p / "manifest.json").is_file():
-        m = read_json(p / "manifest.json", what="vocab manifest")
-        if m.get("stage") != "vocab":
-            raise EyasError(f"{p / 'manifest.json'} was written by `eyas {m.get('stage')}`, not `eyas vocab`")
-        if m.get("vocab_size", vocab_size) != vocab_size:
-            raise EyasError(f"{p} was made for a target vocab of {m['vocab_size']} tokens but the verifier's has "
-                            f"{vocab_size}: the vocab mapping was made for another tokenizer")  # fmt: skip
-        if m.get("draft_vocab_size", len(d2t)) != len(d2t):
-            raise EyasError(f"{p}: d2t.npy has {len(d2t)} entries but its manifest says draft_vocab_size "
-                            f"{m['draft_vocab_size']}; run `eyas vocab` again")  # fmt: skip
-    if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
-        raise EyasError(f"{p / 't2d.npy'} covers {t2d.shape[0] if t2d.ndim == 1 else t2d.shape} target tokens but the "
-                        f"verifier's vocab has {vocab_size}: the vocab mapping was made for another tokenizer; "
-                        "run `eyas vocab` on rows prepared for this verifier")  # fmt: skip
-    t2d = t2d.astype(bool)
-    used = np.flatnonzero(t2d)
-    if d2t.ndim != 1 or len(d2t) != len(used) or not np.array_equal(np.arange(len(d2t)) + d2t, used):
-        raise EyasError(f"{p}: d2t ({d2t.shape[0]} draft tokens) does not map onto the {len(used)} tokens t2d marks "
-                        "(target_id = draft_id + d2t[draft_id] must list them in ascending order); run `eyas vocab` again")  # fmt: skip
-    identity = {"d2t_sha256": sha256_file(p / "d2t.npy"), "t2d_sha256": sha256_file(p / "t2d.npy")}
-    return torch.from_numpy(d2t.astype(np.int64)), torch.from_numpy(t2d), identity
 
 
 # --------------------------------------------------------------------------- packing

@@ -129,7 +129,7 @@ def plot_curves(out: Path, ttt_steps: int, *, accuracy: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eyas.core.manifest import atomic_path
+    from eyas.core.files import atomic_path
 
     recs = [json.loads(ln) for ln in (out / METRICS).read_text().splitlines() if ln]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

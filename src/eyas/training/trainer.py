@@ -18,7 +18,6 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -110,34 +109,6 @@ def save_output(path: Path, cfg, state: dict[str, torch.Tensor], *, verifier_nam
 # --------------------------------------------------------------------------- the trainer
 
 
-@dataclass
-class Options:
-    """Hyperparameters and run controls (the stage function's flags, resolved)."""
-
-    epochs: int
-    lr: float
-    max_seq_len: int
-    seqs_per_micro_batch: int
-    grad_accum: int
-    ttt_steps: int
-    step_weights: list[float]
-    warmup_steps: int | None
-    schedule: str
-    weight_decay: float
-    clip: float
-    seed: int
-    optimizer: str
-    drop_out_of_vocab: bool
-    num_workers: int
-    save_every: int
-    keep_checkpoints: int
-    log_every: int
-    max_steps: int | None
-    profile_every: int
-    deferred_wgrad: bool = False
-    loss_chunk_tokens: int = CHUNK_TOKENS
-
-
 class _Timer:
     """Step-phase timings with a device sync at each mark, only on profiled steps (a sync stalls the queue)."""
 
@@ -177,45 +148,54 @@ def loader_error(source: Any, e: RuntimeError) -> Exception:
 
 
 class Trainer:
-    """Runs the epochs: one instance per process, every rank the same code (rank 0 also writes)."""
+    """Runs the epochs: one instance per process, every rank the same code (rank 0 also writes).
 
-    def __init__(self, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
-                 layer_ids: list[int], o: Options, out: Path, rows_train: np.ndarray, rows_val: np.ndarray,
-                 lengths: np.ndarray, counts: np.ndarray, dist_mode: str, compiled: bool, fingerprint: str,
-                 save_meta: dict[str, Any], loader_embed: torch.Tensor | None = None) -> None:  # fmt: skip
-        self.d, self.device, self.cfg, self.o, self.out = d, device, cfg, o, out
+    ``c`` is the train stage's config (:class:`eyas.stages.train.TrainConfig`, a stage above this package): the
+    trainer reads its hyperparameters and run controls from it (``epochs``, ``lr``, ``max_seq_len``,
+    ``batch_tokens``, ``grad_accum``, ``ttt_steps``, ``step_loss_decay``, ``warmup_steps``, ``schedule``,
+    ``weight_decay``, ``clip``, ``seed``, ``optimizer``, ``drop_out_of_vocab``, ``dist``, ``num_workers``,
+    ``save_every``, ``keep_checkpoints``, ``log_every``, ``max_steps``, ``profile_every``, ``loss_chunk_tokens``,
+    ``out``). What the stage resolved on this machine comes beside it: ``compiled`` and ``deferred_wgrad``."""
+
+    def __init__(self, c, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
+                 layer_ids: list[int], rows_train: np.ndarray, rows_val: np.ndarray, lengths: np.ndarray,
+                 counts: np.ndarray, compiled: bool, deferred_wgrad: bool, fingerprint: str, save_meta: dict[str, Any],
+                 loader_embed: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.d, self.device, self.cfg, self.c, self.out = d, device, cfg, c, Path(c.out)
+        self.seqs_per_micro_batch = (c.batch_tokens or c.max_seq_len) // c.max_seq_len
         self.head, self.source, self.verifier, self.layer_ids = head, source, verifier_model, layer_ids
         self.lengths, self.fingerprint, self.save_meta = lengths, fingerprint, save_meta
         self.loader_embed = loader_embed  # the frozen embedding in host memory, looked up by the loader
         self.cuda = device.type == "cuda"
         self.compute_dtype = torch.bfloat16 if self.cuda else torch.float32
-        W, G = d.world_size, o.grad_accum
-        plan = dict(max_len=o.max_seq_len, seqs_per_micro_batch=o.seqs_per_micro_batch, seed=o.seed)
+        W, G = d.world_size, c.grad_accum
+        plan = dict(max_len=c.max_seq_len, seqs_per_micro_batch=self.seqs_per_micro_batch, seed=c.seed)
         self.plans = [plan_epoch(rows_train, lengths, counts, epoch=e, shuffle=True, micro_batches_per_step=G * W,
-                                 **plan) for e in range(o.epochs)]  # fmt: skip
+                                 **plan) for e in range(c.epochs)]  # fmt: skip
         self.val_plan = plan_epoch(rows_val, lengths, counts, epoch=0, shuffle=False, micro_batches_per_step=W,
                                    **plan) if len(rows_val) else []  # fmt: skip
         self.total = sum(len(p) for p in self.plans)
-        if o.max_steps is not None:
-            self.total = min(self.total, o.max_steps)
-        self.warmup = o.warmup_steps if o.warmup_steps is not None else max(1, round(0.03 * self.total))
+        if c.max_steps is not None:
+            self.total = min(self.total, c.max_steps)
+        self.warmup = c.warmup_steps if c.warmup_steps is not None else max(1, round(0.03 * self.total))
         self.draft = draft
-        objective = TTTObjective(draft, ttt_steps=o.ttt_steps, step_weights=o.step_weights,
-                                 drop_out_of_vocab=o.drop_out_of_vocab, compute_dtype=self.compute_dtype,
-                                 compiled=compiled, deferred_wgrad=o.deferred_wgrad,
-                                 chunk_tokens=o.loss_chunk_tokens)  # fmt: skip
+        objective = TTTObjective(draft, ttt_steps=c.ttt_steps,
+                                 step_weights=[c.step_loss_decay**k for k in range(c.ttt_steps)],
+                                 drop_out_of_vocab=c.drop_out_of_vocab, compute_dtype=self.compute_dtype,
+                                 compiled=compiled, deferred_wgrad=deferred_wgrad,
+                                 chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
         # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
         # --loader-embeddings keeps in host memory onto the device (as it did before commit 936a0af)
         objective.step_weights = objective.step_weights.to(device)
-        self.model, self.loss_factor = self._parallelize(objective, dist_mode)
-        self.optimizers = build_optimizers(self.model, name=o.optimizer, lr=o.lr, weight_decay=o.weight_decay,
-                                           fused=not (self.d.active and dist_mode == "fsdp"))  # fmt: skip
+        self.model, self.loss_factor = self._parallelize(objective, c.dist)
+        self.optimizers = build_optimizers(self.model, name=c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
+                                           fused=not (self.d.active and c.dist == "fsdp"))  # fmt: skip
         for opt in self.optimizers:
             if isinstance(opt, FusedAdamW):
                 opt.attach_working(draft)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.meter = Meter(o.ttt_steps, device)
+        self.meter = Meter(c.ttt_steps, device)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
         self.global_step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.saved_step = -1
@@ -270,10 +250,10 @@ class Trainer:
             yield
 
     def _loader(self, steps: list[Step], grad_accum: int):
-        ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.o.max_seq_len,
-                      seqs=self.o.seqs_per_micro_batch, lengths=self.lengths, embed=self.loader_embed,
-                      ttt_steps=self.o.ttt_steps, chunk=self.o.loss_chunk_tokens)  # fmt: skip
-        w = self.o.num_workers
+        ds = StepData(self.source, steps, rank=self.d.rank, grad_accum=grad_accum, max_len=self.c.max_seq_len,
+                      seqs=self.seqs_per_micro_batch, lengths=self.lengths, embed=self.loader_embed,
+                      ttt_steps=self.c.ttt_steps, chunk=self.c.loss_chunk_tokens)  # fmt: skip
+        w = self.c.num_workers
         return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=w, pin_memory=self.cuda,
                                            prefetch_factor=4 if w else None, worker_init_fn=_worker_init if w else None)  # fmt: skip
 
@@ -297,7 +277,7 @@ class Trainer:
 
     def _forward(self, mb: dict[str, torch.Tensor], denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         aux, last = self._features(mb)
-        targets = self.head(last.flatten(0, 1), pad=self.o.ttt_steps, rows=mb.get("target_rows"))
+        targets = self.head(last.flatten(0, 1), pad=self.c.ttt_steps, rows=mb.get("target_rows"))
         with self.autocast:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
                               targets.logits, targets.argmax, targets.in_vocab, denom,
@@ -349,8 +329,8 @@ class Trainer:
                 (loss * self.loss_factor).backward()
                 timer.mark("backward")
             self.meter.add(loss, stats)
-        gnorm = clip_gradients(self.params, self.optimizers, self.o.clip) if self.o.clip > 0 else None
-        f = lr_factor(self.global_step, total=self.total, warmup=self.warmup, schedule=self.o.schedule)
+        gnorm = clip_gradients(self.params, self.optimizers, self.c.clip) if self.c.clip > 0 else None
+        f = lr_factor(self.global_step, total=self.total, warmup=self.warmup, schedule=self.c.schedule)
         for opt, lrs in zip(self.optimizers, self.base_lrs):
             for g, lr in zip(opt.param_groups, lrs):
                 g["lr"] = lr * f
@@ -365,7 +345,7 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        meter = Meter(self.o.ttt_steps, self.device)
+        meter = Meter(self.c.ttt_steps, self.device)
         items = self._prefetch(iter(self._loader(self.val_plan, 1)))
         for item in tqdm(items, total=len(self.val_plan), desc="validate", unit="step", leave=False,
                          disable=not self.d.is_main, dynamic_ncols=True):  # fmt: skip
@@ -387,7 +367,7 @@ class Trainer:
     def save(self, *, final: bool = False) -> None:
         """A checkpoint (every rank gathers, rank 0 writes), atomically; older ones beyond the newest
         ``keep_checkpoints`` are removed."""
-        from eyas.core.manifest import atomic_path
+        from eyas.core.files import atomic_path
 
         local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
         finite = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
@@ -419,7 +399,7 @@ class Trainer:
                 save_output(tmp, self.cfg, _draft_state(msd), **self.save_meta)
                 torch.save(state, tmp / STATE_FILE)
         except (OSError, RuntimeError, EyasError) as e:  # a full disk reaches torch.save as a RuntimeError
-            from eyas.core.manifest import out_of_room
+            from eyas.core.files import out_of_room
 
             cause = e.__cause__ if isinstance(e, EyasError) and e.__cause__ is not None else e
             why = out_of_room(cause) or f"{type(cause).__name__}: {cause}"
@@ -430,7 +410,7 @@ class Trainer:
                             + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
                             + "free space (or lower --keep-checkpoints) and rerun the same command to resume"
                             ) from e  # fmt: skip
-        for old in checkpoint_dirs(self.out)[: -max(1, self.o.keep_checkpoints)]:
+        for old in checkpoint_dirs(self.out)[: -max(1, self.c.keep_checkpoints)]:
             shutil.rmtree(old)
         self.d.barrier("checkpoint")
 
@@ -504,18 +484,18 @@ class Trainer:
         log.status()
 
     def run(self) -> dict[str, Any]:
-        o = self.o
+        c = self.c
         resumed = self.resume()
         if resumed and self.d.is_main:
             print(f"resuming from {resumed} (step {self.global_step}, epoch {self.epoch + 1})")
         log = RunLog(self.out, enabled=self.d.is_main, total=self.total, start=self.global_step)
         try:
-            while self.epoch < o.epochs and self.global_step < self.total:
+            while self.epoch < c.epochs and self.global_step < self.total:
                 steps = self.plans[self.epoch]
-                it = self._prefetch(iter(self._loader(steps[self.step_in_epoch :], o.grad_accum)))
+                it = self._prefetch(iter(self._loader(steps[self.step_in_epoch :], c.grad_accum)))
                 window = time.perf_counter()
                 while self.step_in_epoch < len(steps) and self.global_step < self.total:
-                    timer = _Timer(self.device, bool(o.profile_every) and self.global_step % o.profile_every == 0)
+                    timer = _Timer(self.device, bool(c.profile_every) and self.global_step % c.profile_every == 0)
                     try:
                         item = next(it)
                     except RuntimeError as e:
@@ -527,8 +507,8 @@ class Trainer:
                     self.global_step += 1
                     self.step_in_epoch += 1
                     end = self.step_in_epoch == len(steps) or self.global_step == self.total
-                    save = not end and o.save_every > 0 and self.global_step % o.save_every == 0
-                    if save or end or self.global_step % o.log_every == 0:
+                    save = not end and c.save_every > 0 and self.global_step % c.save_every == 0
+                    if save or end or self.global_step % c.log_every == 0:
                         self._log_train(log, window)
                         m = self.last_train
                         log.advance({"loss": f"{m['loss_total']:.3f}", "acc0": f"{m['acc'][0]:.3f}",

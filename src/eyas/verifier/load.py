@@ -352,7 +352,7 @@ def _auto_map_tokenizer(info: VerifierInfo) -> str:
 def remote_code_hashes(info: VerifierInfo) -> dict[str, str]:
     """sha256 of every ``.py`` file in the checkpoint dir: recorded when remote code is allowed, so a
     later stage can refuse a changed file."""
-    from eyas.core.manifest import sha256_file
+    from eyas.core.files import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(info.checkpoint_dir.glob("*.py"))}
 
