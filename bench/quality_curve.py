@@ -83,6 +83,7 @@ def plot(points: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     pts = sorted((p for p in points if p["masked_tokens"]), key=lambda p: p["masked_tokens"])
@@ -91,9 +92,14 @@ def plot(points: list[dict], path: Path) -> None:
         xy = [(p["masked_tokens"] / 1e6, p[key] if key == "val_tau" else p[key]["tau"]) for p in pts if p.get(key)]
         if xy:
             ax.plot(*zip(*xy), marker=marker, label=label, linestyle=":" if key == "val_tau" else "-")
-    ax.axhline(3.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.text(ax.get_xlim()[0], 3.0, " goal (MT-Bench)", va="bottom", fontsize=8, color="grey")
     ax.set_xscale("log")
+    lo, hi = ax.get_xlim()
+    ax.set_xticks([t for t in (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128) if lo <= t <= hi])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.axhline(3.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.text(ax.get_xlim()[0], 3.0, " goal: MT-Bench tau 3.0", va="top", fontsize=8, color="grey")
+    ax.set_ylim(top=max(3.15, ax.get_ylim()[1]))
     ax.set_xlabel("loss-masked training tokens (millions, log scale)")
     ax.set_ylabel("tau at K=3, T=0 (tokens per verifier forward)")
     ax.set_title("SmolLM2-135M-Instruct draft: tau against data (one H200)")
