@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     **{s.name: (s.config, s.runner, s.help) for s in STAGES},
     "run": ("eyas.pipeline:RunConfig", "eyas.pipeline:run_pipeline",
             "run the stages a TOML config lists, in order, resumably"),
-    "demo": ("eyas.pipeline:DemoConfig", "eyas.pipeline:run_demo", "run the whole pipeline on SmolLM2 at CPU scale"),
+    "demo": ("eyas.demo:DemoConfig", "eyas.demo:run_demo", "run the whole pipeline on SmolLM2 at CPU scale"),
 }  # fmt: skip
 
 

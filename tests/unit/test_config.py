@@ -49,7 +49,7 @@ def test_flags_are_the_config_fields_each_with_help(command, monkeypatch):
 FUNCTIONS = {"inspect": "eyas.stages.inspect:inspect", "plan": "eyas.stages.plan:plan",
              "prompts": "eyas.stages.prompts:prompts", "regenerate": "eyas.stages.regenerate:regenerate", "prepare": "eyas.stages.prepare:prepare", "vocab": "eyas.stages.vocab:vocab", "extract": "eyas.stages.extract:extract",
              "train": "eyas.stages.train:train", "export": "eyas.stages.export:export", "eval": "eyas.stages.evaluate:evaluate",
-             "run": "eyas.pipeline:run", "demo": "eyas.pipeline:demo"}  # fmt: skip
+             "run": "eyas.pipeline:run", "demo": "eyas.demo:demo"}  # fmt: skip
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

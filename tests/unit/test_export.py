@@ -411,7 +411,7 @@ def test_bad_input_names_the_key_and_file(make_tiny, tmp_path):
 
 def test_demo_ship_step_on_smollm2(tmp_path, capsys):
     """The demo's export step on the real SmolLM2 verifier (GGUF: no config.json to take architectures from)."""
-    from eyas.pipeline import ship
+    from eyas.demo import ship
 
     m = random_draft("smollm2", N=1024)
     save_draft(tmp_path / "draft", m, verifier_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct",
