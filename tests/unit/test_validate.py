@@ -103,7 +103,7 @@ def test_nan_and_huge_numbers_are_one_line(made, tmp_path, capsys):
 
 
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_it_is_allocated(made, tmp_path, capsys):
-    """`train --max-seq-len 1000000000` was killed by the kernel at 23 GB with no message."""
+    """`train --max-seq-len 1000000000` is refused in one line (unchecked, the kernel kills it at 23 GB silently)."""
     refused(capsys, _train(made, tmp_path / "d", "--max-seq-len", "1000000000"),  # (the later flag wins)
             "--max-seq-len 1000000000", "of host memory", "lower --max-seq-len")  # fmt: skip
     assert list(tmp_path.iterdir()) == []

@@ -282,7 +282,7 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
     """Refuse, before anything is allocated, a batch that cannot fit: a step's batches hold ``grad_accum *
     batch_tokens`` padded positions, each with four verifier states of ``hidden`` (and its ids, positions, masks
     and targets) on the host, and again on a GPU. A lower bound (activations come on top), so it refuses only the
-    impossible: ``--max-seq-len 1000000000`` used to be killed by the kernel at 23 GB without a word."""
+    impossible: without it, ``--max-seq-len 1000000000`` is killed by the kernel at 23 GB without a word."""
     import os
 
     from eyas.data.features import NUM_STATES
