@@ -9,8 +9,8 @@ nothing, so what it measures is the cost of a round; the speedup at a given tau 
     PYTHONPATH=src python3 bench/decode_profile.py --smoke
 
 With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
-(:class:`eyas.engine.generate.BatchDecoder`): every slot busy at ``--prompt-len`` positions (``--live`` sets
-several), one step replayed as a graph, timed and profiled per row count and live length: what a step costs as
+(:class:`eyas.engine.generate.BatchDecoder`): every slot busy at each position ``--live`` lists, one step
+replayed as a graph, timed and profiled per row count and live length: what a step costs as
 the batch and the keys grow, and where that time goes.
 
     PYTHONPATH=src:/tmp/site python3 bench/decode_profile.py --verifier /tmp/smol-random --batched 256,1024,2048 \

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+try:
+    import eyas  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+
+from eyas.core.files import write_json  # noqa: E402
+
 CURVE = ROOT / "bench" / "results" / "smollm2-curve.json"
 PNG = ROOT / "docs" / "smollm2-curve.png"
 SETS = ("mt-bench", "humaneval")
@@ -55,12 +61,6 @@ def point(results: dict, note: str) -> dict:
 
 def load(curve: Path) -> list[dict]:
     return json.loads(curve.read_text()) if curve.is_file() else []
-
-
-def save(points: list[dict], curve: Path) -> None:
-    tmp = curve.with_suffix(".tmp")
-    tmp.write_text(json.dumps(points, indent=2) + "\n")
-    os.replace(tmp, curve)
 
 
 def table(points: list[dict]) -> str:
@@ -124,7 +124,7 @@ def main() -> None:
     if args.cmd == "add":
         new = point(json.loads(Path(args.results).read_text()), args.note)
         points = [p for p in load(curve) if p["commit"] != new["commit"]] + [new]
-        save(points, curve)
+        write_json(curve, points)
         print(json.dumps(new))
         return
     points = load(curve)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 #: eval report file (``eyas run`` names an ``[[eval]]`` entry's report after its prompts) -> its prompt set
@@ -50,7 +51,7 @@ def _val_curve(draft: Path) -> list[dict]:
     return [{"step": r["step"], "epoch": r["epoch"], "tau": r["tau"]} for r in rows if r.get("split") == "val"]
 
 
-def gather(run: Path, *, expect: list[str] = ("mt-bench", "humaneval")) -> dict:
+def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> dict:
     """The results of the run folder ``run`` (``$R`` of quality.sh)."""
     selfp, regen, prep, vocab = (_read(run / d / "manifest.json") for d in ("prompts", "regenerated", "prepared",
                                                                            "vocab"))  # fmt: skip

@@ -287,8 +287,8 @@ class BatchDecoder:
     step; a finished answer's slot takes the next waiting request (shortest prompt first) at once.
 
     Memory is fixed by ``batch_tokens`` (key/value positions in all: ``num_slots = batch_tokens // max_len``
-    slots of ``max_len`` positions each, at most :data:`MAX_ROWS`) and ``prefill_tokens`` (new prompts are prefilled together,
-    right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
+    slots of ``max_len`` positions each, at most :data:`MAX_ROWS`) and ``prefill_tokens`` (new prompts are
+    prefilled together, right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
     steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
     slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
     ``attention="flex"`` (the default on CUDA) attends through FlexAttention with a per-row block table (each

@@ -32,6 +32,9 @@ KEY_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6
 FLEX_BLOCK = 128
 #: The most new tokens a row may feed for a forward to go through FlexAttention (one query block).
 FLEX_MAX_NEW = 16
+#: Query rows below which inductor runs FlexAttention through its split-key decoding kernel
+#: (``_use_flex_decoding``): the grouped query heads are folded into the query length only below it.
+FLEX_DECODE_ROWS = 128
 
 
 def key_bucket(n: int, capacity: int) -> int:
@@ -219,7 +222,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         # only at a power-of-two G (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding) and
         # otherwise falls back to its prefill kernel, which tiles the one query row a head has into a block of
         # 128 (SmolLM2, G = 3: 2.4x slower than SDPA per batched step, bench/decode_profile.py --batched).
-        fold = G * T < 128
+        fold = G * T < FLEX_DECODE_ROWS
         block_mask, nf = slots._block_mask(T, sliding_window, G if fold else 1)
         q = query.reshape(S, kvh, G * T, -1) if fold else query
         try:
