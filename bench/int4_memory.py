@@ -43,6 +43,7 @@ for p in (ROOT / "src", ROOT / "tests"):
 
 import tiny  # noqa: E402
 from eyas.verifier import packed as packed_mod  # noqa: E402
+from eyas.verifier.int4_matmul import int4_grouped_mm, supported  # noqa: E402
 from eyas.verifier.packed import PackedExperts, dequantize_int4, resident_bytes  # noqa: E402
 from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
@@ -226,6 +227,12 @@ def kernels(experts: PackedExperts, device: torch.device, rows_list, repeats: in
         r["dequant_eager"] = timed(lambda: x @ packed_mod._dequantize_int4_eager(packed, scale, group, x.dtype).t(),
                                    device, repeats)  # fmt: skip
         r["compressed_tensors"] = timed(lambda: linear(x), device, repeats)
+        if supported(x, K, group):  # eyas' Triton kernel: the packed words read inside the matmul
+            offs = torch.full((1,), rows, device=device, dtype=torch.int32)
+            got = int4_grouped_mm(x, packed[None], scale[None], offs, group)
+            r["int4_kernel_rel_err"] = float((got.float() - ref.float()).norm() / ref.float().norm())
+            r["int4_kernel"] = timed(lambda: int4_grouped_mm(x, packed[None], scale[None], offs, group), device,
+                                     repeats)  # fmt: skip
         if tiny_w is not None:
             try:
                 got = torch.ops.aten._weight_int4pack_mm(x, tiny_w, group, tiny_sz)
@@ -242,7 +249,7 @@ def kernels(experts: PackedExperts, device: torch.device, rows_list, repeats: in
         out[str(rows)] = {
             k: (
                 round(v * 1e6, 1)
-                if k in ("bf16", "dequant_compiled", "dequant_eager", "compressed_tensors", "tinygemm")
+                if k in ("bf16", "dequant_compiled", "dequant_eager", "compressed_tensors", "tinygemm", "int4_kernel")
                 else v
             )
             for k, v in r.items()
@@ -384,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     def forward(which: str, shape: str, **settings):
         def go():
             old = {k: getattr(PackedExperts, k) for k in ("kernel",)} | {"compile": packed_mod.COMPILE_DEQUANT}
-            PackedExperts.kernel = settings.get("kernel", "grouped")
+            PackedExperts.kernel = settings.get("kernel", old["kernel"])
             packed_mod.COMPILE_DEQUANT = settings.get("compile", default_compile)
             try:
                 r = forward_rate(models[which], info, shapes[shape], dims["vocab_size"], device,
@@ -402,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save_forward() -> None:
         run.save(packed_over_bf16_tokens_per_s={s: ratio(s) for s in shapes if ratio(s) is not None},
-                 **{f"{k}_dequant_over_bf16_tokens_per_s": {s: ratio(s, k) for s in shapes if ratio(s, k)}
-                    for k in ("eager", "compiled") if any(ratio(s, k) for s in shapes)},
+                 **{f"{k}_over_bf16_tokens_per_s": {s: ratio(s, k) for s in shapes if ratio(s, k)}
+                    for k in ("dequant", "compiled_dequant") if any(ratio(s, k) for s in shapes)},
                  per_expert_over_bf16_tokens_per_s={s: ratio(s, "per-expert") for s in shapes
                                                     if ratio(s, "per-expert") is not None})  # fmt: skip
 
@@ -434,10 +441,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "packed_over_bf16": round(dec_p["tokens_per_s"] / dec_d["tokens_per_s"], 3),
                 }
             )
-    other = "compiled" if not default_compile else "eager"  # the dequantization that is not the default
+    # the path before the int4 kernel: all experts dequantized (compressed-tensors' unpacking), torch's grouped GEMM
     for shape in ("extract", "online"):
-        run.stage(f"forward_packed_{shape}_{other}_dequant",
-                  forward("packed", shape, compile=not default_compile, label=other), need_s=10)  # fmt: skip
+        run.stage(f"forward_packed_{shape}_dequant", forward("packed", shape, kernel="grouped", label="dequant"),
+                  need_s=10)  # fmt: skip
         save_forward()
     dec_e = run.stage("decode_packed_eager", decode("packed", False), need_s=15)
     if dec_e and dec_p:

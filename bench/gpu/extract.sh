@@ -16,8 +16,9 @@
 #                                         bench/int4_memory.py: a random int4 MoE checkpoint of Kimi-K2.5's layer
 #                                         dims (18B weights, 12 GB packed) loaded packed against the same model in
 #                                         bf16: memory, extract's and online training's forward, decoding with CUDA
-#                                         graphs, the int4 kernels; prints $OUT/int4.json (COMMIT=... names the
-#                                         commit measured)                                            about 2.5 min
+#                                         graphs, the int4 kernels, after the GPU tests of eyas' int4 kernel
+#                                         (tests/gpu/test_int4_gpu.py); prints $OUT/int4.json (COMMIT=... names
+#                                         the commit measured)                                          about 3.5 min
 #   bash bench/gpu/extract.sh int4-tests  (carry .whl: compressed-tensors, datasets) the device-map GPU tests (an
 #                                         int4 Kimi-like verifier split between the GPU and host memory against one
 #                                         GPU, for extraction and --online training)                  about 2 min
@@ -49,8 +50,10 @@ case "$mode" in
   int4)
     python3 -c "import compressed_tensors; print('compressed-tensors', compressed_tensors.__version__)" \
       | tee -a "$OUT/status.txt"
+    run int4_tests timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_int4_gpu.py
     run int4_memory timeout "${INT4_TIMEOUT:-300}" python3 bench/int4_memory.py --out "$OUT" \
       --budget-s "${INT4_BUDGET_S:-240}" ${COMMIT:+--commit "$COMMIT"} ${INT4_ARGS:-}
+    rm -rf /tmp/eyas-int4  # the 12 GB checkpoint: the disk is the next suite's while the machine stays warm
     cat "$OUT/int4.json" ;;
   int4-tests|devices)
     python3 -c "import compressed_tensors, datasets; print('compressed-tensors', compressed_tensors.__version__,

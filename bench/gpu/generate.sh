@@ -21,18 +21,22 @@
 # or, in one call of about 2 minutes on the random-weight model, what one batched step of eyas regenerate costs
 # by row count and live keys, with each slot attention, and where its time goes (bench/decode_profile.py --batched):
 #   bash bench/gpu/generate.sh batched
+# or, in one call of about 2 minutes on the random-weight model, what a plain step and a speculative round cost
+# (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds) with FlexAttention, and
+# the GPU tests of the speculative loops and the FlexAttention slot attention:
+#   bash bench/gpu/generate.sh rounds
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real|quick|batched) ;;
+  random|part0|real|quick|batched|rounds) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
 if [ "$mode" = part0 ]; then
   stash_part0
   exit 0
-elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ]; then
+elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ] || [ "$mode" = rounds ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -51,6 +55,13 @@ P=$(carried sharegpt_prompts.jsonl.gz)
 if [ "$mode" = batched ]; then
   run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention ${ATTN:-flex,sdpa} \
     --batched ${ROWS:-256,1024,2048} --live ${LIVE:-256,1024}
+  collect
+  exit 0
+fi
+if [ "$mode" = rounds ]; then
+  run profile timeout 120 python3 bench/decode_profile.py --verifier $V --attention flex
+  run gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
+    -k "speculative or flex"
   collect
   exit 0
 fi

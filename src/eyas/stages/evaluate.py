@@ -142,6 +142,12 @@ class EvalConfig(StageConfig):
         "layer's worth of compiling) for the recorded forwards of both loops alike: "
         "fewer, fused kernels a step.",
     )
+    fused_rounds: bool = option(
+        False,
+        help="with CUDA graphs at temperature 0, replay each speculative round (the drafting steps, the "
+        "verification, the acceptance and the draft's catch-up) as one CUDA graph with one host read a round "
+        "(vLLM's padded drafting), instead of a graph per part and the host between them.",
+    )
     baseline: bool = option(True, help="also run plain decoding (needed for the lossless check and the speedup).")
     recheck_fp32: bool = option(
         False,
@@ -186,7 +192,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
     runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
-                            compile=c.compile)  # fmt: skip
+                            compile=c.compile, fused_rounds=c.fused_rounds)  # fmt: skip
     graphs = runners.base.graphs.enabled
     m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
@@ -208,6 +214,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
+        "fused_rounds": graphs and c.fused_rounds and c.temperature == 0,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
         "chat_template": c.chat_template,  # --chat-template, or None: the tokenizer's own

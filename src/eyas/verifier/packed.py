@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.verifier.int4_matmul import int4_grouped_mm, supported
+
 #: The quant_method eyas writes into the text config it loads, so transformers picks :class:`PackedQuantizer`.
 METHOD = "eyas-packed-compressed-tensors"
 
@@ -212,9 +214,11 @@ class PackedExperts(nn.ModuleList):
     #: Most bytes of experts dequantized at once (a temporary per forward); a layer larger than this runs its
     #: experts in groups of this size, with one host synchronisation a layer (not in a CUDA graph).
     dequant_bytes: int = 2 << 30
-    #: "grouped" (stacked int4, grouped GEMM) or "per-expert" (compressed-tensors' decompression, one expert
-    #: at a time); bench/int4_memory.py measures both.
-    kernel: str = "grouped"
+    #: "int4" (stacked int4 multiplied by :func:`eyas.verifier.int4_matmul.int4_grouped_mm`, which reads the
+    #: packed words inside the matmul, where it runs: CUDA with Triton; "grouped" elsewhere), "grouped" (stacked
+    #: int4 dequantized, then torch's grouped GEMM) or "per-expert" (compressed-tensors' decompression, one
+    #: expert at a time); bench/int4_memory.py measures each.
+    kernel: str = "int4"
 
     def __init__(self, fused: nn.Module) -> None:
         E, two_i, H = fused.gate_up_proj.shape
@@ -292,7 +296,7 @@ class PackedExperts(nn.ModuleList):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [N, H]; top_k_index, top_k_weights [N, K]
-        if self.stacked and self.kernel == "grouped":
+        if self.stacked and self.kernel in ("int4", "grouped"):
             return self._grouped(hidden_states, top_k_index, top_k_weights)
         return self._per_expert(hidden_states, top_k_index, top_k_weights)
 
@@ -323,7 +327,10 @@ class PackedExperts(nn.ModuleList):
         weights = torch.where(valid, top_k_weights.reshape(-1), 0)
         per_expert = 3 * H * I * x.element_size()
         S = ids.numel()
-        if S < E:  # fewer rows than experts (decoding): dequantize only the routed experts, by index
+        # the packed words read inside the matmul: no dense weights, so neither the routed-expert gather below
+        # nor the groups of experts bounded by dequant_bytes
+        fused = self.kernel == "int4" and supported(x, H, self.group_size) and supported(x, I, self.group_size)
+        if S < E and not fused:  # fewer rows than experts (decoding): dequantize only the routed experts, by index
             ids = torch.where(valid, ids, 0)
             rows = x.repeat_interleave(K, dim=0)  # row j is token j // K
             chunk = max(1, self.dequant_bytes // per_expert)
@@ -343,7 +350,10 @@ class PackedExperts(nn.ModuleList):
                              bins=E, min=0, max=E - 1)  # fmt: skip
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         chunk = max(1, self.dequant_bytes // per_expert)
-        if chunk >= E:
+        if fused:
+            h = int4_grouped_mm(rows, self.gate_up_packed, self.gate_up_scale, offsets, self.group_size)
+            y = int4_grouped_mm(self._act(h), self.down_packed, self.down_scale, offsets, self.group_size)
+        elif chunk >= E:
             y = self._grouped_mlp(rows, slice(0, E), offsets)
         else:  # a layer too large to dequantize at once: groups of experts, their row ranges read on the host
             bounds = [0, *offsets.tolist()]
