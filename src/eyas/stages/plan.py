@@ -42,12 +42,12 @@ MEASURED = {
     "draft_tokens_per_s_4096": 64_910,
     # eyas train at commit b9c9719: DDP over two H200s at Llama-3.1-8B dims, 87.6% scaling efficiency.
     "ddp_efficiency": 0.876,
-    # int4 verifiers kept packed (eyas.verifier.packed), at commit d8c6450 (`bash bench/gpu/extract.sh int4`, one H200,
+    # int4 verifiers kept packed (eyas.verifier.packed), at commit 9234ca9 (`bash bench/gpu/extract.sh int4`, one H200,
     # torch 2.11, transformers 5.17): the backbone forward of a random int4 MoE verifier of Kimi-K2.5's layer
-    # dims (4 layers, 128 experts), 8 x 2048 tokens, took 313.8 ms packed (stacked experts, eager dequantization,
-    # grouped GEMM) against 200.9 ms for the same model in bf16 (transformers' grouped_mm experts): 81,570 over
-    # 52,210 tokens/s. At 4 x 1024 tokens it was 3.3x (every forward dequantizes every expert: a fixed cost).
-    "packed_forward_slowdown": 81_570 / 52_210,
+    # dims (4 layers, 128 experts), 8 x 2048 tokens, took 285.9 ms packed (stacked experts multiplied by eyas'
+    # int4 grouped GEMM, eyas.verifier.int4_matmul) against 202.9 ms for the same model in bf16 (transformers'
+    # grouped_mm experts): 80,757 over 57,308 tokens/s. At 4 x 1024 tokens it was 1.50x.
+    "packed_forward_slowdown": 80_757 / 57_308,
 }
 
 #: The one public EAGLE-3 run at Kimi-K2.5's scale, beside which `eyas plan` prints its estimate: the
@@ -420,7 +420,7 @@ def versus_public_run(p: dict[str, Any], *, verifier_gpus: int) -> dict[str, Any
     """The estimate at the public Kimi-K2.5 run's token count (:data:`PUBLIC_KIMI_RUN`), how many times its
     GPU-hours that is, and what would close the difference: each factor the estimate carries that a serving
     engine's prefill would not (a device_map runs the verifier's layers one GPU at a time while it holds
-    ``verifier_gpus``; int4 weights dequantized every forward, :data:`MEASURED`), and the GPU-hours without
+    ``verifier_gpus``; int4 experts slower than bf16, :data:`MEASURED`), and the GPU-hours without
     them. Whatever is left is the verifier's rate, measured on a small model (SmolLM2-135M)."""
     hours = p["gpu_hours"]
     scale = PUBLIC_KIMI_RUN["tokens"] / (p["tokens"] * p["epochs"])
@@ -431,8 +431,9 @@ def versus_public_run(p: dict[str, Any], *, verifier_gpus: int) -> dict[str, Any
                                 "GPUs (a tensor-parallel serving engine keeps them all busy, docs/SCALING.md)",
                         "factor": float(verifier_gpus)})  # fmt: skip
     if p["quantization"] == "compressed-tensors" and MEASURED["packed_forward_slowdown"] > 1:
-        factors.append({"what": "int4 experts dequantized every forward (measured, docs/BENCHMARKS.md; an int4 "
-                                "MoE GEMM on the packed weights, as vLLM's Marlin MoE, avoids it)",
+        factors.append({"what": "int4 experts through eyas' Triton int4 grouped GEMM, slower than bf16 (measured, "
+                                "docs/BENCHMARKS.md); a tuned int4 MoE GEMM such as vLLM's Marlin MoE reads a "
+                                "quarter of bf16's bytes and can match it",
                         "factor": round(MEASURED["packed_forward_slowdown"], 2)})  # fmt: skip
     without = hours["verifier"] * scale
     for f in factors:

@@ -29,18 +29,19 @@ So :func:`register` adds one quantizer to transformers through its documented ex
 4. turns each compressed Linear into a :class:`PackedLinear`, whose forward decompresses its weight with
    compressed-tensors' own compressor for that one matmul, and removes the whole-model decompression hook.
 5. stacks each MoE layer's packed experts into one tensor per projection (the per-expert parameters become
-   views of it, so nothing is held twice) and computes the layer with grouped matmuls: the experts are
-   dequantized (compressed-tensors' unpacking) and multiplied by torch's grouped GEMM
-   (``torch.nn.functional.grouped_mm``, the kernel transformers' own ``grouped_mm`` experts use), with no host
-   synchronisation, so a decoding step is captured in a CUDA graph. Below one row per expert (decoding) only
-   the routed experts are dequantized (gathered by index) and multiplied with a batched matmul.
+   views of it, so nothing is held twice) and computes the layer with grouped matmuls that read the packed
+   words inside the matmul (:func:`eyas.verifier.int4_matmul.int4_grouped_mm`, a Triton kernel: the module
+   says why eyas carries it), with no host synchronisation, so a decoding step is captured in a CUDA graph.
+   Without Triton or CUDA (the CPU), the experts are dequantized (compressed-tensors' unpacking) and multiplied
+   by torch's grouped GEMM (``torch.nn.functional.grouped_mm``, the kernel transformers' own ``grouped_mm``
+   experts use); below one row per expert only the routed experts are dequantized (gathered by index).
 
-Measured on one H200 (docs/BENCHMARKS.md, "int4 verifiers"): the backbone forward at 0.64x bf16's tokens/s on
-16k-token batches of Kimi-K2.5's layer dims, 0.30x on 4k-token ones (all experts are dequantized each forward:
-a fixed cost, about 7 ms per billion expert weights); torch's int4 kernel (``_weight_int4pack_mm``, tinygemm,
-what torchao's int4 weight-only layout runs on CUDA) beats a bf16 matmul at 1-16 rows but runs 4x and 23x
-slower than it at 128 and 1,024 rows, so it does not serve this grouped path; compiling the dequantization
-(``COMPILE_DEQUANT``) measured slower than the eager unpacking.
+Measured on one H200 (docs/BENCHMARKS.md, "int4 verifiers", commit 9234ca9): the backbone forward at 0.71x
+bf16's tokens/s on 16k-token batches of Kimi-K2.5's layer dims and 0.67x on 4k-token ones (dequantizing every
+expert first: 0.65x and 0.30x), decoding with CUDA graphs at 0.94x bf16's tokens/s. torch's int4 kernel
+(``_weight_int4pack_mm``, tinygemm, what torchao's int4 weight-only layout runs on CUDA) beats a bf16 matmul
+at 1-16 rows but runs 4x and 23x slower than it at 128 and 1,024 rows, so it does not serve the grouped path;
+compiling the dequantization (``COMPILE_DEQUANT``) measured slower than the eager unpacking.
 
 Under a ``device_map`` with CPU offload, accelerate's hooks move the packed tensors to the GPU, a quarter of the
 dense bytes; such a layer's experts are not stacked and run one expert at a time (compressed-tensors'
