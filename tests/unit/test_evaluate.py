@@ -677,3 +677,27 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     assert main(["eval", "--verifier", str(t.path), "--draft", "random", "--prompts", str(src),
                  "--draft-tokens", "0"]) == 2  # fmt: skip
+
+
+def test_compiled_draft_decodes_what_the_eager_one_does(setups):
+    """The draft's fixed-shape forwards through torch.compile (``DraftRunner(compile=True)``, on by default under
+    CUDA graphs) propose and accept exactly the drafts of the eager forward, and its compiled catch-up over
+    the verifier's aux states (fused inside) gives the eager logits; the cache writes land in the cache."""
+    _, info, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    spec = _verifier(model, draft.config.aux_layer_ids)
+    eager, compiled = DraftRunner(draft), DraftRunner(draft, compile=True)
+    for ids in prompts[:2]:
+        want = speculative_generate(spec, eager, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
+        got = speculative_generate(spec, compiled, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
+        assert (got.tokens, got.accepted, got.proposals) == (want.tokens, want.accepted, want.proposals)
+    aux = torch.randn(1, 2, 3 * info.hidden_size, generator=torch.Generator().manual_seed(5))
+    ids, pos = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
+    for dr in (eager, compiled):
+        dr.reset(64)
+    with torch.no_grad():
+        want = eager._forward(ids, aux, pos, fuse=True)
+        got = compiled._run(ids, aux, pos, fuse=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.cache.k, eager.cache.k, rtol=1e-5, atol=1e-5)
+    assert bool(compiled.cache.valid[0, 3:5].all()) and not bool(compiled.cache.valid[0, 5:].any())

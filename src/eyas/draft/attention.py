@@ -201,8 +201,12 @@ class DraftCache:
         pos = position_ids
         # The bound check reads a device value (once per step: every layer writes the same positions); a compiled
         # or graph-captured decoding loop sizes its cache itself and skips it.
-        capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-        if layer == 0 and not torch.compiler.is_compiling() and not capturing and int(pos.max()) >= self.max_len:
+        checked = layer == 0 and not torch.compiler.is_compiling()
+        if (
+            checked
+            and not (pos.is_cuda and torch.cuda.is_current_stream_capturing())
+            and int(pos.max()) >= self.max_len
+        ):
             raise ValueError(f"positions exceed the draft cache of {self.max_len} slots")
         B, _, T, _ = k.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)

@@ -77,6 +77,15 @@ class Graphs:
         return graph, out
 
 
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep ``limit`` compiled versions of one function: decoding compiles a few shapes (one per
+    decoding length) of each compiled function, where its default is 8."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
 @contextlib.contextmanager
 def compiled_layers(model) -> Iterator[None]:
     """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
@@ -85,10 +94,7 @@ def compiled_layers(model) -> Iterator[None]:
     registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
     a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code."""
     layers = model.base_model.layers
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # a few shapes (one per decoding length) per layer
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+    raise_recompile_limit()
     for layer in layers:
         if "_eyas_compiled" not in layer.__dict__:
             layer._eyas_compiled = torch.compile(layer.forward, dynamic=False)

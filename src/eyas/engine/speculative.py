@@ -89,11 +89,16 @@ class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
     Its fixed shapes (catching up 1..K+1 positions after a round, one drafting step) are CUDA graphs on CUDA
-    (:class:`eyas.engine.graphs.Graphs`); a prompt's catch-up of any length runs eagerly.
+    (:class:`eyas.engine.graphs.Graphs`); a prompt's catch-up of any length runs eagerly. With ``compile``, those
+    fixed-shape forwards run through ``torch.compile`` (static shapes): at batch 1 a draft forward is about 120
+    small kernels eagerly (embedding, RoPE, norms, the cache write and mask, the MLP, the head), three a round,
+    and a graph replays every one of them; compiled, inductor fuses the elementwise ones. The verifier's layers
+    are compiled the same way (:func:`eyas.engine.graphs.compiled_layers`).
     """
 
-    def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True) -> None:
-        from eyas.engine.graphs import Graphs
+    def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True,
+                 compile: bool = False) -> None:  # fmt: skip
+        from eyas.engine.graphs import Graphs, raise_recompile_limit
 
         self.draft = draft
         p = draft.fc.weight
@@ -105,6 +110,10 @@ class DraftRunner:
         self.graph_max_tokens = graph_max_tokens
         self._static: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self._rounds: dict[tuple[int, int], GreedyRounds] = {}
+        self._compiled = None
+        if compile:
+            raise_recompile_limit()  # a shape per catch-up length, again for each new cache
+            self._compiled = torch.compile(self._forward, dynamic=False)
 
     def reset(self, max_len: int) -> None:
         if self.cache is not None and max_len <= self.max_len:
@@ -122,9 +131,18 @@ class DraftRunner:
             self._rounds[key] = GreedyRounds(verifier, self, K)
         return self._rounds[key]
 
-    def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+    def _forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 fuse: bool = False):  # fmt: skip
+        """One draft forward over the cache -> the logits ``[N]`` at the last position and its ``next_hidden``
+        ``[1, 1, H]``; with ``fuse``, ``hidden`` is the verifier's aux states ``[1, T, 3H]``, fused first."""
+        if fuse:
+            hidden = self.draft.fuse(hidden)
         normed, next_hidden = self.draft.step(input_ids, hidden, position_ids, self.cache)
         return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
+
+    def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fuse: bool = False):
+        """:meth:`_forward` at a fixed shape: compiled with ``compile``."""
+        return (self._compiled or self._forward)(input_ids, hidden, position_ids, fuse)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
@@ -146,13 +164,9 @@ class DraftRunner:
         T = next_ids.shape[0]
         pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
         aux = aux[None].to(self.dtype)  # [1, T, 3H]
-
-        def run(ids, aux, pos):
-            return self._run(ids, self.draft.fuse(aux), pos)
-
         if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
-            return self._graphed("catch_up", (next_ids[None], aux, pos), run)
-        return run(next_ids[None], aux, pos)  # a prompt's length varies: eager
+            return self._graphed("catch_up", (next_ids[None], aux, pos), lambda *x: self._run(*x, fuse=True))
+        return self._forward(next_ids[None], aux, pos, fuse=True)  # a prompt's length varies: eager
 
     def _chain(self, logits: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
         drafted = [self.to_target[logits.argmax(-1, keepdim=True)]]  # [1] target ids

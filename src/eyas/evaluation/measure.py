@@ -93,7 +93,8 @@ class Runners:
             spec=SequenceDecoder(model, aux_layer_ids=draft.config.aux_layer_ids, graph_lengths=[K + 1 for K in Ks],
                                  **kw),  # fmt: skip
             base=SequenceDecoder(model, graph_lengths=(), **kw),  # plain steps: SequenceDecoder.decode's graphs
-            draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs),
+            draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs,
+                              compile=compile and cuda_graphs and draft.fc.weight.device.type == "cuda"),
             draft_tokens=Ks,
             fused_rounds=fused_rounds,
         )  # fmt: skip

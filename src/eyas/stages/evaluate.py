@@ -139,8 +139,8 @@ class EvalConfig(StageConfig):
     compile: bool = option(
         True,
         help="with CUDA graphs, compile the verifier's decoder layers (torch.compile, one "
-        "layer's worth of compiling) for the recorded forwards of both loops alike: "
-        "fewer, fused kernels a step.",
+        "layer's worth of compiling) for the recorded forwards of both loops alike, and the "
+        "draft's fixed-shape forwards: fewer, fused kernels a step.",
     )
     fused_rounds: bool = option(
         False,
