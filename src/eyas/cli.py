@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import importlib
 import inspect as _inspect
@@ -164,5 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``eyas`` command (and ``python -m eyas.cli``): :func:`main`, then the process's exit, watched."""
+    code = main()
+    # Work done and written, the process should end at once. If it is still alive two minutes later (a library's
+    # thread or worker pool waited on at interpreter exit: one GPU run stalled so for minutes after its last
+    # stage), print where every thread waits, so the stall names its cause. faulthandler's timer thread runs
+    # outside the interpreter and ends with the process.
+    faulthandler.dump_traceback_later(120, exit=False)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
