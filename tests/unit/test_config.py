@@ -205,7 +205,7 @@ RECORDED = {
                 "seed"},
     "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops",
                    "repetition_penalty", "seed", "strict"},
-    "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow"},
+    "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow", "loop_tails"},
     "vocab": {"draft_vocab_size", "count"},
     "extract": {"dtype", "shard_tokens"},
     "train": {"online", "epochs", "lr", "max_seq_len", "batch_tokens", "grad_accum", "ttt_steps", "step_loss_decay",

@@ -266,6 +266,34 @@ def test_overflow_truncates_at_a_turn_boundary_or_drops(tmp_path, verifiers):
     assert m["outputs"]["rows"] == 1 and m["outputs"]["dropped_by_reason"] == {"too_long": 2}
 
 
+def test_loop_tails_unscored_keep_the_text_and_score_one_copy(tmp_path, verifiers):
+    """``--loop-tails unscored``: the same tokens; an assistant turn ending in a repetition loop scores the text
+    before the loop, its first copy and the end of turn, and nothing of the other copies; a turn without a loop
+    scores as before; the manifest counts what it unscored, and the default records nothing new (outputs made
+    before the option stay up to date)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifiers["qwen3"])
+    loop = "Here is my answer. " + "The product is a product that can be sold to clients. " * 12
+    conv = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Short answer."},
+            {"role": "user", "content": "More?"}, {"role": "assistant", "content": loop}]  # fmt: skip
+    src = write_jsonl(tmp_path / "c.jsonl", [conv, CONVS[0]])
+    kw = dict(verifier=str(verifiers["qwen3"]), data=str(src), max_seq_len=512, num_proc=1)
+    scored = D.prepare(out=str(tmp_path / "s"), **kw)
+    unscored = D.prepare(out=str(tmp_path / "u"), loop_tails="unscored", **kw)
+    assert "loop_tails" not in scored["settings"] and unscored["settings"]["loop_tails"] == "unscored"
+    (a, _), (b, _) = load_prepared(tmp_path / "s"), load_prepared(tmp_path / "u")
+    assert [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
+    assert a[1]["loss_mask"] == b[1]["loss_mask"]  # no loop: unchanged
+    turns = [decode(tok, x) for x in runs(np.asarray(b[0]["input_ids"]), b[0]["loss_mask"])]
+    # the first turn whole; the looping one up to one copy of the loop; its end of turn still scored
+    assert turns[0] == "Short answer.<|im_end|>" and turns[-1] == "<|im_end|>" and len(turns) == 3, turns
+    assert "Here is my answer. " in turns[1] and turns[1].count("sold to clients") == 1, turns
+    lost = sum(a[0]["loss_mask"]) - sum(b[0]["loss_mask"])
+    assert lost > 100 and unscored["outputs"]["loop_tokens_unscored"] == lost
+    assert unscored["outputs"]["loop_rows"] == 1 and "loop_rows" not in scored["outputs"]
+
+
 def test_bad_rows_are_counted_and_strict_stops(tmp_path, verifiers):
     lines = [
         json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),

@@ -65,6 +65,25 @@ class _Job:
     template: ChatTemplate
     max_seq_len: int
     on_overflow: str
+    loop_tails: str = "scored"
+
+
+def _unscore_loop_tails(ids: np.ndarray, mask: np.ndarray, eot_id: int | None) -> int:
+    """Zero the loss mask of every assistant turn's loop copies after the first (in place); return the tokens
+    unscored. A turn is a run of scored tokens; its end-of-turn token, which the template adds after a cut answer
+    too, is left out of the search (a loop must repeat up to the end) and stays scored."""
+    from eyas.data.repetition import find_loop
+
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))  # run starts, ends
+    unscored = 0
+    for a, b in zip(edges[::2], edges[1::2]):
+        end = b - 1 if eot_id is not None and b > a and ids[b - 1] == eot_id else b
+        loop = find_loop(ids[a:end])
+        if loop is not None:
+            cut = a + loop.trimmed_length()
+            mask[cut:end] = 0
+            unscored += int(end - cut)
+    return unscored
 
 
 _JOB: _Job | None = None
@@ -184,6 +203,7 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
     for i, enc in zip(redo, _tokenize(tok, [rendered[i][1:] for i in redo])):
         encoded[i], partial[i] = enc, False
     out_ids, out_mask, lens, out_rows = [], [], [], []
+    loop_tokens = loop_rows = 0
     for (row, _, _), (ids, mask, ends, _), cut in zip(rendered, encoded, partial):
         if len(ids) > job.max_seq_len:
             fit = [e for e in ends if e <= job.max_seq_len]
@@ -192,6 +212,11 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
                 continue
             notes.append(("truncated", row, ""))
             ids, mask = ids[: fit[-1]], mask[: fit[-1]]
+        if job.loop_tails == "unscored":
+            mask = mask.copy()
+            unscored = _unscore_loop_tails(ids, mask, job.template.eot_id)
+            loop_tokens += unscored
+            loop_rows += int(unscored > 0)
         out_ids.append(ids)
         out_mask.append(mask)
         lens.append(len(ids))
@@ -203,6 +228,8 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
         "rows": np.asarray(out_rows, dtype=np.int64),
         "notes": notes,
         "splits": sum(e[3] for e in encoded),
+        "loop_tokens_unscored": loop_tokens,
+        "loop_rows": loop_rows,
         "n": len(chunk),
         "max_id": int(max((int(x.max()) for x in out_ids if len(x)), default=-1)),
     }
@@ -268,6 +295,8 @@ class _Parts:
             "rows": sum(len(r["lens"]) for r in results),
             "max_id": max(r["max_id"] for r in results),
             "n": sum(r["n"] for r in results),
+            "loop_tokens_unscored": sum(r["loop_tokens_unscored"] for r in results),
+            "loop_rows": sum(r["loop_rows"] for r in results),
         }
         write_json(self.path(p, "json"), summary)
         return summary
@@ -314,6 +343,13 @@ class PrepareConfig(StageConfig):
     num_proc: int | None = option(
         None, recorded=False, range=AT_LEAST_1, help="worker processes for tokenization (default: every core)."
     )
+    loop_tails: Literal["scored", "unscored"] = option(
+        "scored",
+        help="an assistant turn that ends in a repetition loop (eyas.data.repetition: a small verifier's greedy "
+        "answers often do) keeps its text either way; unscored takes the loop's copies after the first out of the "
+        "loss (as `eyas regenerate --loops trim` cuts them, but leaving the text the draft reads), so the "
+        "loss weighs the text that teaches rather than repeats that are almost free to predict.",
+    )
     trust_remote_code: bool = fields.trust_remote_code(" (recorded by hash).")
     chat_template: str | None = fields.chat_template(". Give the same to eval.")
 
@@ -345,6 +381,8 @@ def run(c: PrepareConfig) -> dict[str, Any]:
         if c.trust_remote_code:
             inputs["remote_code"] = remote_code_hashes(info)
         settings = recorded_settings(c)
+        if c.loop_tails == "scored":  # recorded only when set: outputs written before the option stay up to date
+            settings.pop("loop_tails")
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
         if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")
@@ -353,7 +391,7 @@ def run(c: PrepareConfig) -> dict[str, Any]:
                                  else os.cpu_count() or 1)  # fmt: skip
 
         convs = list(iter_conversations(files, report, max_samples=c.max_samples, seed=c.seed))
-        job = _Job(template, c.max_seq_len, c.on_overflow)
+        job = _Job(template, c.max_seq_len, c.on_overflow, c.loop_tails)
         chunks = [convs[i : i + CHUNK] for i in range(0, len(convs), CHUNK)]
         parts = _Parts(out_dir, sha256_json({"inputs": inputs, "settings": settings})[:16], len(chunks))
         started = time.perf_counter()
@@ -368,7 +406,8 @@ def run(c: PrepareConfig) -> dict[str, Any]:
                     f"the tokenizer of {info.path} produced token id {summary['max_id']}, outside the model's "
                     f"vocab of {info.vocab_size}: the tokenizer does not belong to this checkpoint"
                 )
-            totals.update({k: summary[k] for k in ("splits", "tokens", "masked", "rows")})
+            totals.update({k: summary.get(k, 0) for k in ("splits", "tokens", "masked", "rows", "loop_tokens_unscored",
+                                                         "loop_rows")})  # fmt: skip
             bar.update(summary["n"])
 
         with tqdm(total=len(convs), desc="prepare", unit="conv", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -401,6 +440,8 @@ def run(c: PrepareConfig) -> dict[str, Any]:
             "truncated_rows": counts["truncated"],
             "rows_split_at_turn_boundaries": totals["splits"],
         }
+        if c.loop_tails == "unscored":
+            outputs |= {"loop_rows": totals["loop_rows"], "loop_tokens_unscored": totals["loop_tokens_unscored"]}
         manifest = output.finish(
             outputs=outputs, report=report.to_json(), verifier_path=str(info.path), vocab_size=info.vocab_size,
             chat_template=c.chat_template, end_of_turn={"token": template.eot, "id": template.eot_id},
@@ -422,6 +463,9 @@ def _print_summary(out_dir: Path, o: dict[str, Any], report) -> None:
         f"to {out_dir}\n  {o['tokens']:,} tokens, {o['masked_tokens']:,} masked ({share:.1%}), "
         f"mean {o['tokens'] / o['rows']:.0f} tokens/row"
     )
+    if "loop_tokens_unscored" in o:
+        print(f"  loop tails unscored: {o['loop_tokens_unscored']:,} tokens in {o['loop_rows']:,} rows "
+              "(--loop-tails unscored)")  # fmt: skip
     lines = report.summary_lines()
     if lines:
         print("  cut, dropped or noted (rows are numbered from 0 in the source):")
