@@ -701,3 +701,21 @@ def test_compiled_draft_decodes_what_the_eager_one_does(setups):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled.cache.k, eager.cache.k, rtol=1e-5, atol=1e-5)
     assert bool(compiled.cache.valid[0, 3:5].all()) and not bool(compiled.cache.valid[0, 5:].any())
+
+
+def test_a_draft_that_fails_to_compile_decodes_eagerly(setups, capsys):
+    """A compiler error (on some machine) costs speed, not the run: one note, then the eager forward."""
+    _, info, model, eos, prompts, drafts = setups("llama")
+    draft = drafts["fitted"]
+    spec = _verifier(model, draft.config.aux_layer_ids)
+    broken = DraftRunner(draft, compile=True)
+
+    def fail(*args):
+        raise RuntimeError("inductor: no C++ compiler found\nmore detail")
+
+    broken._compiled = fail
+    want = speculative_generate(spec, DraftRunner(draft), prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
+    got = speculative_generate(spec, broken, prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
+    assert (got.tokens, got.accepted) == (want.tokens, want.accepted) and broken._compiled is None
+    err = capsys.readouterr().err
+    assert err.count("the draft's forward without torch.compile (RuntimeError: inductor: no C++ compiler found)") == 1

@@ -141,8 +141,18 @@ class DraftRunner:
         return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
 
     def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fuse: bool = False):
-        """:meth:`_forward` at a fixed shape: compiled with ``compile``."""
-        return (self._compiled or self._forward)(input_ids, hidden, position_ids, fuse)
+        """:meth:`_forward` at a fixed shape: compiled with ``compile`` (eager from the first time compiling fails,
+        after one note; the graphs run it twice eagerly before recording, so a failure comes before a capture)."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(input_ids, hidden, position_ids, fuse)
+            except Exception as e:  # a compiler error on some machine: correct, if slower, without it
+                import sys
+
+                self._compiled = None
+                print(f"eyas: the draft's forward without torch.compile ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)  # fmt: skip
+        return self._forward(input_ids, hidden, position_ids, fuse)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
