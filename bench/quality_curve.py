@@ -47,6 +47,7 @@ def point(results: dict, note: str) -> dict:
         "new_tokens": regen.get("new_tokens"),
         "regenerate_tokens_per_s": regen.get("new_tokens_per_s"),
         "masked_tokens": prep.get("masked_tokens"),
+        "loop_tails": prep.get("loop_tails", "scored"),
         "epochs": run.get("epochs"),
         "steps": run.get("steps"),
         "val_tau": run.get("val_tau"),

@@ -93,6 +93,9 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> d
         }
     if prep:
         result["prepare"] = {k: prep["outputs"].get(k) for k in ("rows", "tokens", "masked_tokens")}
+        # --loop-tails (recorded only when set: scored otherwise) and what it took out of the loss
+        result["prepare"]["loop_tails"] = prep["settings"].get("loop_tails", "scored")
+        result["prepare"]["loop_tokens_unscored"] = prep["outputs"].get("loop_tokens_unscored", 0)
     if vocab:
         result["vocab"] = {
             "draft_vocab_size": vocab["settings"]["draft_vocab_size"],
