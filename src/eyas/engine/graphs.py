@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from eyas.core.errors import brief
+
 
 class Graphs:
     """Fixed-shape forwards recorded once as CUDA graphs and replayed (on CUDA; elsewhere, or with
@@ -49,8 +51,7 @@ class Graphs:
 
                     torch.cuda.synchronize()
                     if self.compile_model is not None:
-                        print(f"eyas: decoding without torch.compile ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                        print(f"eyas: decoding without torch.compile ({brief(e)})", file=sys.stderr)
                         self.compile_model = None
                         stack.close()  # the state back first
                         return self.run(key, fn, state=state)

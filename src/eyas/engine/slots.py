@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, brief
 
 #: The name the slot attention is registered under in transformers' AttentionInterface.
 ATTENTION = "eyas_slots"
@@ -232,8 +232,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         except Exception as e:  # a compiler error: the SDPA path from then on, after one note
             import sys
 
-            print(f"eyas: slot attention through SDPA, FlexAttention failed ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+            print(f"eyas: slot attention through SDPA, FlexAttention failed ({brief(e)})", file=sys.stderr)
             slots.attention = "sdpa"
     # SDPA takes a bool mask as is only where softcap is written out; elsewhere an additive one, built once
     dtype = None if softcap is not None else query.dtype

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, brief
 from eyas.engine.generate import SequenceDecoder
 from eyas.draft.model import Eagle3Draft
 from eyas.engine.slots import key_bucket
@@ -150,8 +150,7 @@ class DraftRunner:
                 import sys
 
                 self._compiled = None
-                print(f"eyas: the draft's forward without torch.compile ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)  # fmt: skip
+                print(f"eyas: the draft's forward without torch.compile ({brief(e)})", file=sys.stderr)
         return self._forward(input_ids, hidden, position_ids, fuse)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:

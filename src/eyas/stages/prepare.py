@@ -47,6 +47,7 @@ from eyas.core import fields
 from eyas.core.config import StageConfig, option, recorded_settings, stage_function
 from eyas.data.datasets import DROPS, iter_conversations, open_source, source_sha256
 from eyas.data.prepared import PREPARED_ROWS, ROWS_SCHEMA, rows_table, write_rows
+from eyas.data.repetition import find_loop
 from eyas.core.errors import EyasError
 from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN
 from eyas.core.files import atomic_path, sha256_json, write_json
@@ -72,8 +73,6 @@ def _unscore_loop_tails(ids: np.ndarray, mask: np.ndarray, eot_id: int | None) -
     """Zero the loss mask of every assistant turn's loop copies after the first (in place); return the tokens
     unscored. A turn is a run of scored tokens; its end-of-turn token, which the template adds after a cut answer
     too, is left out of the search (a loop must repeat up to the end) and stays scored."""
-    from eyas.data.repetition import find_loop
-
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))  # run starts, ends
     unscored = 0
     for a, b in zip(edges[::2], edges[1::2]):
@@ -212,8 +211,7 @@ def _encode_chunk(chunk: list[tuple[int, list[dict[str, str]]]]) -> dict[str, An
                 continue
             notes.append(("truncated", row, ""))
             ids, mask = ids[: fit[-1]], mask[: fit[-1]]
-        if job.loop_tails == "unscored":
-            mask = mask.copy()
+        if job.loop_tails == "unscored":  # the row's own mask (fresh from tokenizing): changed in place
             unscored = _unscore_loop_tails(ids, mask, job.template.eot_id)
             loop_tokens += unscored
             loop_rows += int(unscored > 0)
@@ -406,6 +404,7 @@ def run(c: PrepareConfig) -> dict[str, Any]:
                     f"the tokenizer of {info.path} produced token id {summary['max_id']}, outside the model's "
                     f"vocab of {info.vocab_size}: the tokenizer does not belong to this checkpoint"
                 )
+            # a part an interrupted run wrote before --loop-tails existed has no loop counts (its key is the same)
             totals.update({k: summary.get(k, 0) for k in ("splits", "tokens", "masked", "rows", "loop_tokens_unscored",
                                                          "loop_rows")})  # fmt: skip
             bar.update(summary["n"])

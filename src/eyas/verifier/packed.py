@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.core.errors import brief
 from eyas.verifier.int4_matmul import int4_grouped_mm, supported
 
 #: The quant_method eyas writes into the text config it loads, so transformers picks :class:`PackedQuantizer`.
@@ -445,8 +446,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int, dtype
         import sys
 
         _COMPILED["failed"] = True
-        print(f"eyas: int4 dequantization without torch.compile ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)  # fmt: skip
+        print(f"eyas: int4 dequantization without torch.compile ({brief(e)})", file=sys.stderr)
         return _dequantize_int4_eager(packed, scale, group, dtype)
 
 
