@@ -61,7 +61,7 @@ fi
 if [ "$mode" = rounds ]; then
   run profile timeout 120 python3 bench/decode_profile.py --verifier $V --attention flex
   run gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
-    -k "speculative or flex"
+    -k "speculative or flex or row_count"
   collect
   exit 0
 fi

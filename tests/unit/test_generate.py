@@ -278,3 +278,37 @@ def test_flex_attention_equals_sdpa(make_tiny, name):
         dec.forward(ids[:-4], 0)  # the prompt: SDPA either way
         got.append(dec.forward(ids[-4:], len(ids) - 4)[0])
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_steps_over_the_busy_rows_only_equal_greedy_generate(make_tiny, monkeypatch, attention):
+    """With row counts of 1 and 2 recorded, a step runs over the first slots only (as many as the highest busy
+    one needs) while the answers of 6 slots drain: every answer still equals transformers' generate of its
+    prompt alone, and the steps ran over fewer rows than the slots."""
+    from eyas.engine import generate
+
+    monkeypatch.setattr(generate, "ROW_BUCKETS", (1, 2))
+    t = make_tiny("llama")
+    model = build_text_model(resolve(t.path))
+    prompts = _prompts(9, seed=4, longest=40)
+    # the longest answers first (priority), into the lowest slots: the rows above them drain early
+    reqs = [Request(key=i, tokens=p, max_new_tokens=4 + 3 * i, priority=i) for i, p in enumerate(prompts)]
+    dec = BatchDecoder(model, eos_ids=set(), max_len=80, batch_tokens=80 * 6, sync_every=2, attention=attention)
+    got = {c.key: c.tokens for c in dec.run(RequestQueue(reqs))}
+    reference = t.reference()
+    for r in reqs:
+        assert got[r.key] == _hf_greedy(reference, r.tokens, r.max_new_tokens, set()), f"request {r.key}"
+    report = dec.report()
+    assert report["steps"] * dec.num_slots > dec.stats["row_steps"] >= dec.stats["slot_steps_used"] > 0
+    assert report["row_use"] > report["slot_use"]
+
+
+def test_the_queue_admits_the_longest_chains_first():
+    """A request with more turns to come is admitted before shorter prompts with fewer; among equals, the
+    shortest prompt first."""
+    q = RequestQueue([Request(key="a", tokens=[1] * 5, max_new_tokens=1),
+                      Request(key="b", tokens=[1] * 50, max_new_tokens=1, priority=3),
+                      Request(key="c", tokens=[1] * 9, max_new_tokens=1, priority=3),
+                      Request(key="d", tokens=[1] * 2, max_new_tokens=1, priority=1)])  # fmt: skip
+    assert [q.pop().key for _ in range(4)] == ["c", "b", "d", "a"]

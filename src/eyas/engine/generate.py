@@ -21,9 +21,12 @@ hundreds of kernels a token.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import heapq
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,18 +196,21 @@ class SequenceDecoder:
 class Request:
     """A prompt to answer: ``tokens`` (ids, chat template applied), at most ``max_new_tokens`` new ones.
     ``key`` is the caller's, returned with the answer; ``seed`` makes sampling of this request independent of
-    which others share its batch."""
+    which others share its batch. ``priority``: requests of a higher one are admitted first (a conversation's
+    turns still to come after this one: the longest chains of turns start first, so they do not make the
+    run's tail)."""
 
-    sort: int = field(init=False, repr=False)
+    sort: tuple[int, int] = field(init=False, repr=False)
     key: Any = field(compare=False)
     tokens: list[int] = field(compare=False)
     max_new_tokens: int = field(compare=False)
     seed: int = field(default=0, compare=False)
+    priority: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise ValueError("a request needs at least one prompt token")
-        self.sort = len(self.tokens)
+        self.sort = (-self.priority, len(self.tokens))
 
 
 @dataclass
@@ -220,11 +226,12 @@ class Completion:
 
 
 class RequestQueue:
-    """Requests waiting for a slot, shortest prompt first (similar lengths decode together, so the key length a
-    step attends to stays close to what its sequences need); requests may be added while the engine runs."""
+    """Requests waiting for a slot, highest priority first, then shortest prompt first (similar lengths decode
+    together, so the key length a step attends to stays close to what its sequences need); requests may be
+    added while the engine runs."""
 
     def __init__(self, requests: Iterable[Request] = ()) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
+        self._heap: list[tuple[tuple[int, int], int, Request]] = []
         self._n = itertools.count()
         for r in requests:
             self.push(r)
@@ -281,6 +288,17 @@ def pick_tokens(logits: torch.Tensor, *, temperature: float, seed: torch.Tensor 
 #: budget (eyas prompts' user turns) would otherwise make tens of thousands of rows and run out of memory there.
 MAX_ROWS = 4096
 
+#: The row counts a batched step is recorded for: a step replays the graph of the smallest one that holds every
+#: busy row (rows are filled lowest first), so a run's tail of a few long answers does not pay for every slot.
+#: A step of 64 rows costs about what one of 1 does (it is bound by kernel launches, not by rows).
+ROW_BUCKETS = (64, 256, 1024, 4096)
+
+
+def row_bucket(n: int, num_slots: int) -> int:
+    """The rows a step over slots ``0..n-1`` runs: the smallest of :data:`ROW_BUCKETS` covering ``n``, at most
+    ``num_slots``."""
+    return min(next((b for b in ROW_BUCKETS if b >= n), num_slots), num_slots)
+
 
 class BatchDecoder:
     """Continuous batching over slots: up to ``num_slots`` sequences decode together, one token each per
@@ -290,7 +308,9 @@ class BatchDecoder:
     slots of ``max_len`` positions each, at most :data:`MAX_ROWS`) and ``prefill_tokens`` (new prompts are
     prefilled together, right-padded, at most that many tokens a forward). The host reads the new tokens every ``sync_every``
     steps (an answer that ends inside such a block costs at most ``sync_every - 1`` discarded steps of its
-    slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``.
+    slot); the steps themselves are CUDA graphs on CUDA, their layers compiled with ``compile``. A step runs
+    over the first slots only, as many as :func:`row_bucket` says the highest busy one needs (a free slot
+    takes the lowest free index), one graph per row count and key length.
     ``attention="flex"`` (the default on CUDA) attends through FlexAttention with a per-row block table (each
     row reads its own live keys, not the step's whole key length: :meth:`eyas.engine.slots.Slots._block_mask`);
     ``"sdpa"`` (the default elsewhere) through SDPA over the step's key length.
@@ -322,8 +342,22 @@ class BatchDecoder:
         # tokens each row has written so far, for the repetition penalty (allocated only when one is asked for)
         self.seen = torch.zeros(S, model.config.vocab_size, dtype=torch.bool, device=dev) \
             if repetition_penalty != 1.0 else None  # fmt: skip
-        self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None)
-        self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0}
+        # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic)
+        self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None, dynamic=None)
+        self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
+                      "decode_seconds": 0.0, "prefill_seconds": 0.0}  # fmt: skip
+
+    def report(self) -> dict[str, Any]:
+        """What the decoder did so far: steps, how full they were, and where the time went (host clock; each
+        block ends in a device sync, so a block's time is its GPU time too)."""
+        st = self.stats
+        return {"slots": self.num_slots, "steps": st["steps"], "prefills": st["prefills"],
+                "prefill_tokens": st["prefill_tokens"],
+                "slot_use": round(st["slot_steps_used"] / max(st["steps"] * self.num_slots, 1), 3),
+                "row_use": round(st["slot_steps_used"] / max(st["row_steps"], 1), 3),
+                "decode_seconds": round(st["decode_seconds"] - self.graphs.record_seconds, 2),
+                "prefill_seconds": round(st["prefill_seconds"], 2),
+                "record_seconds": round(self.graphs.record_seconds, 2)}  # fmt: skip
 
     @property
     def kv_bytes(self) -> int:
@@ -332,12 +366,14 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ forwards
 
-    def _step(self) -> torch.Tensor:
-        """One decoding step of every row (idempotent: the state moves outside): the next token ``[S]``."""
+    def _step(self, R: int) -> torch.Tensor:
+        """One decoding step of the first ``R`` rows (idempotent: the state moves outside): their next tokens
+        ``[R]``."""
         self.slots.begin()
-        logits = self.model(input_ids=self.tok, position_ids=self.pos, use_cache=False).logits[:, -1]  # [S, V]
-        logits = self._penalize(logits, self.seen, self.tok[:, 0])
-        return pick_tokens(logits, temperature=self.temperature, seed=self.seed, position=self.pos[:, 0] + 1,
+        tok, pos = self.tok[:R], self.pos[:R]
+        logits = self.model(input_ids=tok, position_ids=pos, use_cache=False).logits[:, -1]  # [R, V]
+        logits = self._penalize(logits, None if self.seen is None else self.seen[:R], tok[:, 0])
+        return pick_tokens(logits, temperature=self.temperature, seed=self.seed[:R], position=pos[:, 0] + 1,
                            top_p=self.top_p)  # fmt: skip
 
     def _penalize(self, logits: torch.Tensor, seen: torch.Tensor | None, fed: torch.Tensor) -> torch.Tensor:
@@ -406,21 +442,31 @@ class BatchDecoder:
                 # refill: at once when idle, else once a sixteenth of the slots is free (a prefill is one eager
                 # forward; batching them keeps its cost per prompt low)
                 if queue and free and (len(free) == S or len(free) >= max(1, S // 16) or len(queue) < len(free)):
-                    yield from self._admit(queue, free, active, made, at, room)
+                    t0 = time.perf_counter()
+                    for c in self._admit(queue, free, active, made, at, room):
+                        self.stats["prefill_seconds"] += time.perf_counter() - t0
+                        yield c
+                        t0 = time.perf_counter()
+                    self.stats["prefill_seconds"] += time.perf_counter() - t0
                 busy = np.array([s for s in range(S) if active[s] is not None], dtype=np.int64)
                 if not len(busy):
                     if not queue:
                         return
                     continue
+                t0 = time.perf_counter()
                 self.slots.keys = key_bucket(int(at[busy].max()) + N + 1, self.max_len)
+                R = row_bucket(int(busy[-1]) + 1, S)  # rows past R are free: they stay where they are
+                step = functools.partial(self._step, R)
                 for i in range(N):
-                    nxt = self.graphs.run(("step", self.slots.keys), self._step)
-                    block[i] = nxt
-                    self.tok[:, 0] = nxt
-                    self.pos.add_(1).clamp_(max=self.max_len - 1)
+                    nxt = self.graphs.run(("step", R, self.slots.keys), step)
+                    block[i, :R] = nxt
+                    self.tok[:R, 0] = nxt
+                    self.pos[:R].add_(1).clamp_(max=self.max_len - 1)
                 self.stats["steps"] += N
+                self.stats["row_steps"] += N * R
                 self.stats["slot_steps_used"] += N * len(busy)
                 host = block[:, busy].cpu().numpy()  # [N, busy]: the block's one device->host sync
+                self.stats["decode_seconds"] += time.perf_counter() - t0
                 at[busy] += N
                 # per row: tokens up to its first end-of-turn id or its remaining room, whichever comes first
                 hit = np.isin(host, eos)
@@ -466,7 +512,7 @@ class BatchDecoder:
                 if t in self.eos_ids or self._limit(r) <= 1:
                     self.pos[s] = 0
                     self.tok[s] = self.pad_id
-                    free.append(s)
+                    bisect.insort(free, s)  # lowest first: the busy rows stay packed at the low slots
                     yield Completion(r.key, [t], finished=t in self.eos_ids)
                     continue
                 active[s], made[s], at[s], room[s] = r, [t], len(r.tokens), self._limit(r) - 1

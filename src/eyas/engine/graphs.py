@@ -30,36 +30,51 @@ class Graphs:
     launch-bound (about 50 small kernels a layer eagerly), so fusing them is what makes a step fast.
     """
 
-    def __init__(self, device: torch.device, *, enabled: bool = True, compile_model=None) -> None:
+    def __init__(self, device: torch.device, *, enabled: bool = True, compile_model=None,
+                 dynamic: bool | None = False) -> None:  # fmt: skip
         self.enabled = enabled and device.type == "cuda"
         self.compile_model = compile_model if self.enabled else None
+        self.dynamic = dynamic
         self.graphs: dict[Any, tuple[Any, Any]] = {}
+        self.record_seconds = 0.0  # host time spent recording (compiling included): what replays do not pay
 
     def run(self, key: Any, fn: Callable[[], Any], *, state: tuple[torch.Tensor, ...] = ()) -> Any:
         if not self.enabled:
             return fn()
         if key not in self.graphs:
-            saved = [t.clone() for t in state]
-            with contextlib.ExitStack() as stack:
-                stack.callback(lambda: [t.copy_(x) for t, x in zip(state, saved)])
-                if self.compile_model is not None:
-                    stack.enter_context(compiled_layers(self.compile_model))
-                try:
-                    self.graphs[key] = self._capture(fn)
-                except Exception as e:  # e.g. "operation not permitted when stream is capturing", a compiler error
-                    import sys
+            import time
 
-                    torch.cuda.synchronize()
-                    if self.compile_model is not None:
-                        print(f"eyas: decoding without torch.compile ({brief(e)})", file=sys.stderr)
-                        self.compile_model = None
-                        stack.close()  # the state back first
-                        return self.run(key, fn, state=state)
-                    print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
-                          f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
-                    self.enabled = False
-                    stack.close()
-                    return fn()
+            t0 = time.perf_counter()
+            try:
+                return self._record(key, fn, state)
+            finally:
+                self.record_seconds += time.perf_counter() - t0
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _record(self, key: Any, fn: Callable[[], Any], state: tuple[torch.Tensor, ...]) -> Any:
+        saved = [t.clone() for t in state]
+        with contextlib.ExitStack() as stack:
+            stack.callback(lambda: [t.copy_(x) for t, x in zip(state, saved)])
+            if self.compile_model is not None:
+                stack.enter_context(compiled_layers(self.compile_model, dynamic=self.dynamic))
+            try:
+                self.graphs[key] = self._capture(fn)
+            except Exception as e:  # e.g. "operation not permitted when stream is capturing", a compiler error
+                import sys
+
+                torch.cuda.synchronize()
+                if self.compile_model is not None:
+                    print(f"eyas: decoding without torch.compile ({brief(e)})", file=sys.stderr)
+                    self.compile_model = None
+                    stack.close()  # the state back first
+                    return self._record(key, fn, state)
+                print(f"eyas: decoding without CUDA graphs (the verifier's forward cannot be captured: "
+                      f"{str(e).splitlines()[0][:160]})", file=sys.stderr)  # fmt: skip
+                self.enabled = False
+                stack.close()
+                return fn()
         graph, out = self.graphs[key]
         graph.replay()
         return out
@@ -88,18 +103,24 @@ def raise_recompile_limit(limit: int = 64) -> None:
 
 
 @contextlib.contextmanager
-def compiled_layers(model) -> Iterator[None]:
+def compiled_layers(model, *, dynamic: bool | None = False) -> Iterator[None]:
     """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
     (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
     model; PyTorch's "regional compilation" recipe). The slot attention stays eager (a graph break: it is
     registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
-    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code."""
+    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
+
+    ``dynamic`` is ``torch.compile``'s: ``False`` specialises every shape (batch size 1 compiles two: one new
+    token and the verification's K + 1); ``None`` compiles the first shape as it is and the next ones once
+    with the dimensions that changed symbolic, which is how a batched step's graphs of many row counts share
+    one compiled layer instead of a compile each."""
     layers = model.base_model.layers
     raise_recompile_limit()
+    name = f"_eyas_compiled_{dynamic}"
     for layer in layers:
-        if "_eyas_compiled" not in layer.__dict__:
-            layer._eyas_compiled = torch.compile(layer.forward, dynamic=False)
-        layer.forward = layer._eyas_compiled  # an instance attribute: shadows the class's forward
+        if name not in layer.__dict__:
+            layer.__dict__[name] = torch.compile(layer.forward, dynamic=dynamic)
+        layer.forward = layer.__dict__[name]  # an instance attribute: shadows the class's forward
     try:
         yield
     finally:

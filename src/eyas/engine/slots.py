@@ -58,7 +58,8 @@ class Slots:
 
     - ``rows``: input ``[S, T]``, row ``s`` feeding ``T`` new tokens at positions ``start[s] .. start[s]+T-1``
       into slot ``s``; each query sees its slot's keys up to its own position (decoding, verification, and a
-      single sequence's prompt);
+      single sequence's prompt). ``S`` may be less than ``slots``: the forward is then over the first ``S``
+      slots only (a batched step replays a graph of as many rows as its busy slots need);
     - ``packed``: input ``[1, B * Tp]``, ``B`` prompts right-padded to ``Tp`` tokens, prompt ``b`` filling slot
       ``targets[b]`` from position 0 (prefill of new requests; causal within each prompt).
     """
@@ -96,11 +97,13 @@ class Slots:
         first use."""
         self._masks, self._moved, self._pos = {}, {}, None
 
-    def _positions(self, T: int) -> torch.Tensor:
-        """rows layout: ``[S, T]`` the slot position each new token is written to (built once per forward, not
-        once per layer: three small kernels a layer are 90 kernel launches a step on a 30-layer model)."""
-        if self._pos is None or self._pos.shape[1] != T:
-            self._pos = (self.start[:, None] + torch.arange(T, device=self.start.device)).clamp(max=self.capacity - 1)
+    def _positions(self, T: int, S: int) -> torch.Tensor:
+        """rows layout: ``[S, T]`` the slot position each new token of the first ``S`` rows is written to (built
+        once per forward, not once per layer: three small kernels a layer are 90 kernel launches a step on a
+        30-layer model)."""
+        if self._pos is None or self._pos.shape != (S, T):
+            start = self.start[:S]
+            self._pos = (start[:, None] + torch.arange(T, device=start.device)).clamp(max=self.capacity - 1)
         return self._pos
 
     def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -112,16 +115,18 @@ class Slots:
             self._moved[key] = t.to(device)
         return self._moved[key]
 
-    def _mask(self, T: int, window: int | None, G: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """rows layout: ``[S, 1, G*T, keys]``, key ``j`` visible to new token ``t`` of row ``s`` (query row
+    def _mask(self, T: int, window: int | None, G: int = 1, dtype: torch.dtype | None = None,
+              S: int | None = None) -> torch.Tensor:  # fmt: skip
+        """rows layout, the first ``S`` rows (default all): ``[S, 1, G*T, keys]``, key ``j`` visible to new token ``t`` of row ``s`` (query row
         ``g*T + t``: grouped-query attention, see :func:`_attention`) when ``j <= start[s] + t`` (and, with a
         sliding window ``W``, ``j > start[s] + t - W``, transformers' ``sliding_window_overlay``). Bool, or
         with ``dtype`` additive (0 / -inf: what SDPA turns a bool mask into in every call, here once per
         forward for all layers)."""
-        key = (T, window, G, dtype)
+        S = self.num_slots if S is None else S
+        key = (T, window, G, dtype, S)
         if key not in self._masks:
             j = torch.arange(self.keys, device=self.start.device)
-            q = self.start[:, None] + torch.arange(T, device=self.start.device)  # [S, T]
+            q = self.start[:S, None] + torch.arange(T, device=self.start.device)  # [S, T]
             m = j[None, None, :] <= q[:, :, None]  # [S, T, keys]
             if window is not None:
                 m = m & (j[None, None, :] > q[:, :, None] - window)
@@ -131,21 +136,22 @@ class Slots:
             self._masks[key] = m
         return self._masks[key]
 
-    def _block_mask(self, T: int, window: int | None, G: int = 1):
-        """rows layout, for FlexAttention: a block table listing, per row, the key blocks up to its last new
+    def _block_mask(self, T: int, window: int | None, G: int = 1, S: int | None = None):
+        """rows layout, for FlexAttention (the first ``S`` rows, default all): a block table listing, per row, the key blocks up to its last new
         token (the keys it can see), so attention reads each row's live keys only, not the whole key length of
         the step; within a block the mask of :meth:`_mask`, over ``G*T`` query rows (row ``g*T + t`` is new
         token ``t``: the grouped query heads folded into the query length, see :func:`_attention`). Built from
         ``start`` on the device (it records into a graph and follows the positions at each replay)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        key = ("flex", T, window, G)
+        S = self.num_slots if S is None else S
+        key = ("flex", T, window, G, S)
         if key not in self._masks:
-            start, dev = self.start, self.start.device
+            start, dev = self.start[:S], self.start.device
             n = -(-self.keys // FLEX_BLOCK) * FLEX_BLOCK
             nb = n // FLEX_BLOCK
             live = ((start + T - 1) // FLEX_BLOCK + 1).clamp(1, nb).to(torch.int32)  # [S] blocks a row reads
-            table = torch.arange(nb, dtype=torch.int32, device=dev).repeat(self.num_slots, 1, 1, 1)  # [S,1,1,nb]
+            table = torch.arange(nb, dtype=torch.int32, device=dev).repeat(S, 1, 1, 1)  # [S, 1, 1, nb]
 
             def mask_mod(b, h, q_idx, kv_idx):
                 p = start[b] + q_idx % T
@@ -205,9 +211,9 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)  # [Tp, Tp]
         out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
         return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
-    S, _, T, _ = query.shape
-    rows, pos = slots.on(slots.rows, K.device), slots.on(slots._positions(T), K.device)  # [S], [S, T]
-    if S == 1:  # one sequence (eval): a plain copy along the positions, one kernel
+    S, _, T, _ = query.shape  # S <= slots.num_slots: the forward runs over the first S slots
+    rows, pos = slots.on(slots.rows[:S], K.device), slots.on(slots._positions(T, S), K.device)  # [S], [S, T]
+    if slots.num_slots == 1:  # one sequence (eval): a plain copy along the positions, one kernel
         K.index_copy_(2, pos[0], key.to(K.dtype))
         V.index_copy_(2, pos[0], value.to(V.dtype))
     else:
@@ -223,10 +229,10 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         # otherwise falls back to its prefill kernel, which tiles the one query row a head has into a block of
         # 128 (SmolLM2, G = 3: 2.4x slower than SDPA per batched step, bench/decode_profile.py --batched).
         fold = G * T < FLEX_DECODE_ROWS
-        block_mask, nf = slots._block_mask(T, sliding_window, G if fold else 1)
+        block_mask, nf = slots._block_mask(T, sliding_window, G if fold else 1, S)
         q = query.reshape(S, kvh, G * T, -1) if fold else query
         try:
-            out = _flex()(q, K[:, :, :nf].to(query.dtype), V[:, :, :nf].to(query.dtype), block_mask=block_mask,
+            out = _flex()(q, K[:S, :, :nf].to(query.dtype), V[:S, :, :nf].to(query.dtype), block_mask=block_mask,
                           scale=scaling, enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
             return out.reshape(S, H, T, -1).transpose(1, 2), None
         except Exception as e:  # a compiler error: the SDPA path from then on, after one note
@@ -236,12 +242,12 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             slots.attention = "sdpa"
     # SDPA takes a bool mask as is only where softcap is written out; elsewhere an additive one, built once
     dtype = None if softcap is not None else query.dtype
-    mask = slots.on(slots._mask(T, sliding_window, G, dtype), K.device)  # [S, 1, G*T, n]
+    mask = slots.on(slots._mask(T, sliding_window, G, dtype, S), K.device)  # [S, 1, G*T, n]
     # Grouped-query attention without copying keys: the G query heads that share a key head become G*T query
     # rows of it ([S, H, T, d] -> [S, kvh, G*T, d]), each row g*T + t with the mask of token t.
     q = query.reshape(S, kvh, G * T, -1)
     out = _sdpa(
-        q, K[:, :, :n].to(q.dtype), V[:, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling, softcap=softcap
+        q, K[:S, :, :n].to(q.dtype), V[:S, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling, softcap=softcap
     )  # [S, kvh, G*T, dv]
     return out.reshape(S, H, T, -1).transpose(1, 2), None
 

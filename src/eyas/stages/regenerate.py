@@ -221,7 +221,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
             finished = read_journals(parts)
             todo = [i for i in range(d.rank, len(prompts), d.world_size) if i not in finished]
             started = time.perf_counter()
-            new_tokens = 0
+            new_tokens, engine = 0, {}
             if todo:
                 backend = _backend(c, info=info, tok=tok, device=dev, dtype=dt, d=d)
                 mine = sum(1 for i in range(d.rank, len(prompts), d.world_size))
@@ -230,6 +230,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                     new_tokens = _converse(prompts, todo, backend, max_turns=c.max_turns, journal=journal,
                                            done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
                                            loops=LoopPolicy(c.loops, tok))  # fmt: skip
+                engine = backend.report()
             seconds = max(d.all_gather(time.perf_counter() - started))
             new_tokens = sum(d.all_gather(new_tokens))
             resumed = len(finished)
@@ -259,10 +260,16 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                     outputs=outputs, report=report.to_json(), verifier_path=str(info.path),
                     chat_template=c.chat_template,
                     timing={"seconds": round(seconds, 2), "ranks": d.world_size, "resumed_conversations": resumed,
-                            "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)},
+                            "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1),
+                            **({"engine": engine} if engine else {})},
                 )  # fmt: skip
                 shutil.rmtree(parts.parent, ignore_errors=True)
                 _print_summary(out_dir, outputs, report)
+                if engine:  # rank 0's decoder
+                    print(f"  engine: {engine['steps']:,} steps over {engine['slots']:,} slots (slot use "
+                          f"{engine['slot_use']:.2f}, {engine['row_use']:.2f} of the rows stepped), decoding "
+                          f"{engine['decode_seconds']:.1f} s, prefills {engine['prefill_seconds']:.1f} s, graph "
+                          f"recording {engine['record_seconds']:.1f} s")  # fmt: skip
                 return m
 
             return d.run_on_main(finish)
@@ -341,8 +348,8 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
     new_tokens, t0 = 0, time.perf_counter()
     with tqdm(total=total, initial=done, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True,
               disable=not show) as bar:  # fmt: skip
-        for i in todo:
-            backend.submit(i, 0, _conversation(prompts[i], []))
+        for i in todo:  # remaining=: the turns still to come after this one (the longest chains start first)
+            backend.submit(i, 0, _conversation(prompts[i], []), remaining=last[i])
         for i, a in backend.results():
             c, said = counts[i], answers[i]
             c["new_tokens"] += a.tokens
@@ -366,7 +373,7 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
                 else:
                     over = len(said) > last[i]
             if not over:
-                backend.submit(i, len(said), _conversation(prompts[i], said))
+                backend.submit(i, len(said), _conversation(prompts[i], said), remaining=last[i] - len(said))
                 continue
             p = prompts[i]
             # Prompt.messages ends on the next user turn while one is left: that turn went unanswered, so it goes
@@ -436,7 +443,7 @@ class LocalBackend:
         self.queue = RequestQueue()
         self._early: list[tuple[int, Answer]] = []
 
-    def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
+    def submit(self, i: int, turn: int, messages: list[dict[str, str]], *, remaining: int = 0) -> None:
         from eyas.data.chat import encode_prompt
         from eyas.engine.generate import Request
 
@@ -445,7 +452,10 @@ class LocalBackend:
             self._early.append((i, Answer(None, False, 0)))
             return
         self.queue.push(Request(key=i, tokens=ids, max_new_tokens=self.max_new_tokens,
-                                seed=_request_seed(self.seed, i, turn)))  # fmt: skip
+                                seed=_request_seed(self.seed, i, turn), priority=remaining))  # fmt: skip
+
+    def report(self) -> dict[str, Any]:
+        return self.decoder.report()
 
     def results(self) -> Iterator[tuple[int, Answer]]:
         while self._early or self.queue:
@@ -468,8 +478,11 @@ class ServerBackend:
         self.pool = ThreadPoolExecutor(max_workers=server.concurrency)
         self.pending: dict[Future, int] = {}
 
-    def submit(self, i: int, turn: int, messages: list[dict[str, str]]) -> None:
+    def submit(self, i: int, turn: int, messages: list[dict[str, str]], *, remaining: int = 0) -> None:
         self.pending[self.pool.submit(self.server.complete, messages)] = i
+
+    def report(self) -> dict[str, Any]:
+        return {}
 
     def results(self) -> Iterator[tuple[int, Answer]]:
         try:
