@@ -291,8 +291,9 @@ def test_steps_over_the_busy_rows_only_equal_greedy_generate(make_tiny, monkeypa
     monkeypatch.setattr(generate, "ROW_BUCKETS", (1, 2))
     t = make_tiny("llama")
     model = build_text_model(resolve(t.path))
-    prompts = _prompts(9, seed=4, longest=40)
-    # the longest answers first (priority), into the lowest slots: the rows above them drain early
+    prompts = sorted(_prompts(9, seed=4, longest=40), key=len, reverse=True)
+    # the longest answers have the shortest prompts: admitted first (priority) and packed first (length), into
+    # the lowest slots, so the rows above them drain early
     reqs = [Request(key=i, tokens=p, max_new_tokens=4 + 3 * i, priority=i) for i, p in enumerate(prompts)]
     dec = BatchDecoder(model, eos_ids=set(), max_len=80, batch_tokens=80 * 6, sync_every=2, attention=attention)
     got = {c.key: c.tokens for c in dec.run(RequestQueue(reqs))}

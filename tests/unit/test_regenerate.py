@@ -280,6 +280,12 @@ def test_loop_policy_keeps_trims_or_drops_an_answer_cut_in_a_loop(smollm2_path):
             assert 40 < counts["trimmed_tokens"] < counts["loop_tokens"]
         else:
             assert got is None and counts["dropped_answers"] == 1
+        # the engine's own ids (what eyas' decoder hands over beside the text) find the same loop
+        ids = tok(looped.text, add_special_tokens=False)["input_ids"]
+        with_ids = dict.fromkeys(_COUNTS, 0)
+        again = LoopPolicy(mode, tok)(Answer(looped.text, False, 512, ids=ids), with_ids)
+        assert with_ids == counts and (again is None) == (got is None)
+        assert again is None or again.text == got.text
 
 
 def test_repetition_penalty_changes_answers_and_is_recorded(make_tiny, source, tmp_path):

@@ -345,18 +345,20 @@ class BatchDecoder:
         # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic)
         self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None, dynamic=None)
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
-                      "decode_seconds": 0.0, "prefill_seconds": 0.0}  # fmt: skip
+                      "decode_seconds": 0.0, "prefill_seconds": 0.0, "caller_seconds": 0.0}  # fmt: skip
 
     def report(self) -> dict[str, Any]:
-        """What the decoder did so far: steps, how full they were, and where the time went (host clock; each
-        block ends in a device sync, so a block's time is its GPU time too)."""
+        """What the decoder did so far: steps, how full they were, and where the time went by the host's clock:
+        ``decode_seconds`` launching steps and waiting for them (each block ends in a device sync), graph
+        recording apart; ``caller_seconds`` the caller's own work on answers, done while steps ran (past the
+        steps' time, it is what holds the loop back)."""
         st = self.stats
         return {"slots": self.num_slots, "steps": st["steps"], "prefills": st["prefills"],
                 "prefill_tokens": st["prefill_tokens"],
                 "slot_use": round(st["slot_steps_used"] / max(st["steps"] * self.num_slots, 1), 3),
                 "row_use": round(st["slot_steps_used"] / max(st["row_steps"], 1), 3),
                 "decode_seconds": round(st["decode_seconds"] - self.graphs.record_seconds, 2),
-                "prefill_seconds": round(st["prefill_seconds"], 2),
+                "prefill_seconds": round(st["prefill_seconds"], 2), "caller_seconds": round(st["caller_seconds"], 2),
                 "record_seconds": round(self.graphs.record_seconds, 2)}  # fmt: skip
 
     @property
@@ -421,8 +423,9 @@ class BatchDecoder:
 
     @torch.no_grad()
     def run(self, queue: RequestQueue) -> Iterator[Completion]:
-        """Answer every request of ``queue``, yielding each as it completes (in completion order). The caller
-        may push more requests between completions (a conversation's next turn); the loop ends when the queue
+        """Answer every request of ``queue``, yielding each as it completes (in completion order; handed over
+        while the next block of steps runs, so the caller's work overlaps it). The caller may push more
+        requests between completions (a conversation's next turn); the loop ends when the queue
         is empty and every slot is free."""
         import numpy as np
 
@@ -435,6 +438,7 @@ class BatchDecoder:
         room = np.zeros(S, dtype=np.int64)  # new tokens each active row may still take
         eos = np.array(sorted(self.eos_ids), dtype=np.int64)
         block = torch.empty(N, S, dtype=torch.long, device=self.device)
+        pending: list[Completion] = []  # answers of the last block, handed over while the next one runs
         # prefills see a new shape every time: flash / memory-efficient attention, no per-shape cuDNN plans
         with slot_attention(self.model, self.slots), varying_shape_attention(self.device):
             while True:
@@ -450,7 +454,10 @@ class BatchDecoder:
                     self.stats["prefill_seconds"] += time.perf_counter() - t0
                 busy = np.array([s for s in range(S) if active[s] is not None], dtype=np.int64)
                 if not len(busy):
-                    if not queue:
+                    if pending:  # the caller's work on them may queue more requests
+                        yield from pending
+                        pending = []
+                    elif not queue:
                         return
                     continue
                 t0 = time.perf_counter()
@@ -465,8 +472,16 @@ class BatchDecoder:
                 self.stats["steps"] += N
                 self.stats["row_steps"] += N * R
                 self.stats["slot_steps_used"] += N * len(busy)
+                # The last block's answers go to the caller while the GPU runs this block: what the caller does
+                # with them on the host (decoding the text, the next turn's chat template and tokens) overlaps
+                # the steps instead of following them.
+                t1 = time.perf_counter()
+                yield from pending
+                pending = []
+                t2 = time.perf_counter()
                 host = block[:, busy].cpu().numpy()  # [N, busy]: the block's one device->host sync
-                self.stats["decode_seconds"] += time.perf_counter() - t0
+                self.stats["caller_seconds"] += t2 - t1
+                self.stats["decode_seconds"] += time.perf_counter() - t0 - (t2 - t1)
                 at[busy] += N
                 # per row: tokens up to its first end-of-turn id or its remaining room, whichever comes first
                 hit = np.isin(host, eos)
@@ -482,7 +497,7 @@ class BatchDecoder:
                 for s in done:
                     r, toks = active[s], made[s]
                     active[s], made[s] = None, []
-                    yield Completion(r.key, toks, finished=toks[-1] in self.eos_ids)
+                    pending.append(Completion(r.key, toks, finished=toks[-1] in self.eos_ids))
                 if done:  # a free row keeps decoding padding from position 0 until it is refilled
                     idx = torch.tensor(done, device=self.device)
                     self.pos[idx] = 0
@@ -492,30 +507,34 @@ class BatchDecoder:
         return min(r.max_new_tokens, self.max_len - len(r.tokens))
 
     def _admit(self, queue: RequestQueue, free: list[int], active, made, at, room) -> Iterator[Completion]:
-        """Prefill waiting requests into free slots (as many as fit ``prefill_tokens`` per forward)."""
+        """Prefill waiting requests into free slots: as many as there are free slots, taken in the queue's order,
+        then packed by length into forwards of at most ``prefill_tokens`` (right-padded to each forward's longest
+        prompt: packing similar lengths together pads least)."""
         while queue and free:
-            batch: list[tuple[int, Request]] = []
-            while queue and free:
-                r = queue.peek()
+            take: list[Request] = []
+            while queue and len(take) < len(free):
+                r = queue.pop()
                 if len(r.tokens) + 1 > self.max_len:
-                    queue.pop()
                     yield Completion(r.key, [], finished=False, too_long=True)
                     continue
-                width = max([len(r.tokens)] + [len(x.tokens) for _, x in batch])
-                if batch and width * (len(batch) + 1) > self.prefill_tokens:
-                    break
-                batch.append((free.pop(0), queue.pop()))
-            if not batch:
-                continue
-            firsts = self._prefill(batch)
-            for (s, r), t in zip(batch, firsts):
-                if t in self.eos_ids or self._limit(r) <= 1:
-                    self.pos[s] = 0
-                    self.tok[s] = self.pad_id
-                    bisect.insort(free, s)  # lowest first: the busy rows stay packed at the low slots
-                    yield Completion(r.key, [t], finished=t in self.eos_ids)
-                    continue
-                active[s], made[s], at[s], room[s] = r, [t], len(r.tokens), self._limit(r) - 1
+                take.append(r)
+            take.sort(key=lambda r: len(r.tokens))
+            i = 0
+            while i < len(take):
+                batch: list[tuple[int, Request]] = []
+                # ascending lengths: the request added last is the forward's longest
+                while i < len(take) and not (batch and len(take[i].tokens) * (len(batch) + 1) > self.prefill_tokens):
+                    batch.append((free.pop(0), take[i]))
+                    i += 1
+                firsts = self._prefill(batch)
+                for (s, r), t in zip(batch, firsts):
+                    if t in self.eos_ids or self._limit(r) <= 1:
+                        self.pos[s] = 0
+                        self.tok[s] = self.pad_id
+                        bisect.insort(free, s)  # lowest first: the busy rows stay packed at the low slots
+                        yield Completion(r.key, [t], finished=t in self.eos_ids)
+                        continue
+                    active[s], made[s], at[s], room[s] = r, [t], len(r.tokens), self._limit(r) - 1
 
 
 def default_batch_tokens(model, *, max_len: int, fraction: float = 0.4, cpu_tokens: int = 16384) -> int:

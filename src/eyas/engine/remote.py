@@ -43,13 +43,15 @@ _TOO_LONG = ("context length", "context window", "too long")
 @dataclass
 class Answer:
     """One generated turn: its text (None when the conversation no longer fits the verifier's context), whether
-    the verifier ended it itself (else it was cut at ``max_new_tokens``), how many tokens it took, and the
-    reasoning a server's reasoning parser split off the text (None when there is none)."""
+    the verifier ended it itself (else it was cut at ``max_new_tokens``), how many tokens it took, the
+    reasoning a server's reasoning parser split off the text (None when there is none), and the text's token
+    ids where the engine that wrote it has them (eyas' own; a server returns text only)."""
 
     text: str | None
     finished: bool
     tokens: int
     reasoning: str | None = None
+    ids: list[int] | None = None
 
 
 class Server:

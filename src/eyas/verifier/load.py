@@ -264,9 +264,46 @@ def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remo
     own (a base model ships none; see :func:`read_chat_template`). Every stage renders through the tokenizer
     and :func:`chat_template_hash` hashes the template it holds, so manifests record the template used.
     """
+    info = path_or_info if isinstance(path_or_info, VerifierInfo) else resolve(path_or_info)
+    # one load per checkpoint and process, a copy each call (a stage may change its tokenizer): building
+    # SmolLM2's from its GGUF takes 4-6 s, and `eyas run` loads it in every stage, skipped ones included
+    key = (_tokenizer_stamp(info), trust_remote_code)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()  # one checkpoint at a time is what a process uses
+        _TOKENIZERS[key] = _load_tokenizer(info, trust_remote_code=trust_remote_code)
+    try:
+        tok = copy.deepcopy(_TOKENIZERS[key])
+    except Exception:  # a remote-code tokenizer that does not copy: load it again
+        tok = _load_tokenizer(info, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+        check_template_renders(tok, where=f"--chat-template {chat_template}")
+    return tok
+
+
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _tokenizer_stamp(info: VerifierInfo) -> tuple:
+    """What a cached tokenizer of ``info`` was built from: the GGUF file, or the checkpoint folder's files other
+    than weights, each by name, size and modification time (a file rewritten in place is a new tokenizer)."""
+    folder = Path(info.checkpoint_dir)
+    if info.gguf_file:
+        files = [folder / info.gguf_file]
+    else:
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+        files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.endswith(weights)) \
+            if folder.is_dir() else []  # fmt: skip
+    stamp = []
+    for p in files:
+        st = p.stat()
+        stamp.append((str(p), st.st_size, st.st_mtime_ns))
+    return tuple(stamp) or (str(folder),)
+
+
+def _load_tokenizer(info: VerifierInfo, *, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    info = path_or_info if isinstance(path_or_info, VerifierInfo) else resolve(path_or_info)
     with _quiet_transformers():
         try:
             if info.gguf_file:
@@ -282,9 +319,6 @@ def load_tokenizer(path_or_info: str | os.PathLike | VerifierInfo, *, trust_remo
             raise EyasError(f"could not load the tokenizer of {info.path}: {e}") from e
         except OSError as e:
             raise EyasError(f"could not load the tokenizer of {info.path}: {e}") from e
-    if chat_template is not None:
-        tok.chat_template = read_chat_template(chat_template)
-        check_template_renders(tok, where=f"--chat-template {chat_template}")
     return tok
 
 
