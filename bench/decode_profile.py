@@ -22,6 +22,7 @@ Prints one JSON line per attention implementation (or per row count and live len
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -70,9 +71,12 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
     dec.slots.keys = key_bucket(live + 2, dec.max_len)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    R = dec.num_slots  # every row busy: the step over all of them
+    step = functools.partial(dec._step, R)
+
     def run(n: int) -> None:
         for _ in range(n):
-            dec.graphs.run(("step", dec.slots.keys), dec._step)
+            dec.graphs.run(("step", R, dec.slots.keys), step)
         sync()
 
     with torch.no_grad(), slot_attention(model, dec.slots), varying_shape_attention(dev):
@@ -84,9 +88,9 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
         ms = 1e3 * (time.perf_counter() - t0) / steps
         prof = kernels(lambda: run(steps), steps, top=8)
         # the step's tokens against one eager SDPA step from the same state (random weights: near ties may flip)
-        got = dec.graphs.run(("step", dec.slots.keys), dec._step).clone()
+        got = dec.graphs.run(("step", R, dec.slots.keys), step).clone()
         used, dec.slots.attention = dec.slots.attention, "sdpa"
-        agree = (got == dec._step()).float().mean().item()
+        agree = (got == step()).float().mean().item()
         dec.slots.attention = used
     return {"rows": rows, "live": live, "attention": dec.slots.attention, "warmup_s": round(warmup, 1),
             "ms_per_step": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3), "kv_gib": round(dec.kv_bytes / 2**30, 2),
