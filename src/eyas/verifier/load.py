@@ -190,8 +190,7 @@ def build_text_model(
         kwargs["max_memory"] = max_memory
     with _quiet_transformers():
         if info.gguf_file:
-            model, loading = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file,
-                                                                  **kwargs)  # fmt: skip
+            model, loading = _from_gguf(info, kwargs, cache=device_map is None)
         else:
             cfg = transformers_text_config(info)
             q = _text_quantization_config(info, packed=packed)
@@ -210,6 +209,56 @@ def build_text_model(
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval()
+
+
+#: Where dequantized GGUF weights are kept for the next load in this process (set by :func:`gguf_weights_cache`).
+_GGUF_CACHE: Path | None = None
+
+
+@contextlib.contextmanager
+def gguf_weights_cache(folder: str | os.PathLike) -> Iterator[None]:
+    """Inside the block, a GGUF verifier's weights are dequantized once and kept in ``folder`` as safetensors
+    (one copy per file and dtype), which later loads read instead. `eyas run` keeps them in its run folder: each
+    of its stages loads the verifier, and transformers' GGUF loader takes about 20 s for SmolLM2-135M (it parses
+    the file twice and builds a tensor-name map per tensor), where the safetensors copy loads in about 1 s."""
+    global _GGUF_CACHE
+    before, _GGUF_CACHE = _GGUF_CACHE, Path(folder)
+    try:
+        yield
+    finally:
+        _GGUF_CACHE = before
+
+
+def _from_gguf(info: VerifierInfo, kwargs: dict[str, Any], *, cache: bool):
+    """``from_pretrained`` of a GGUF verifier, through :data:`_GGUF_CACHE` when one is set and ``cache``."""
+    import hashlib
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = None
+    if cache and _GGUF_CACHE is not None:
+        st = (Path(info.checkpoint_dir) / info.gguf_file).stat()
+        key = json.dumps([str(Path(info.path).resolve()), st.st_size, st.st_mtime_ns, str(kwargs["dtype"])])
+        folder = _GGUF_CACHE / hashlib.sha256(key.encode()).hexdigest()[:16]
+        if (folder / "model.safetensors").is_file():
+            return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    model, loading = AutoModelForCausalLM.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file, **kwargs)
+    if folder is not None:
+        from safetensors.torch import save_model
+
+        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the copy holds plain weights
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as transformers reads them back
+        try:
+            tmp.rename(folder)  # whole or not at all; another process may have put its copy there first
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model, loading
 
 
 def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
