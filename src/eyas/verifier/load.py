@@ -220,7 +220,8 @@ def gguf_weights_cache(folder: str | os.PathLike) -> Iterator[None]:
     """Inside the block, a GGUF verifier's weights are dequantized once and kept in ``folder`` as safetensors
     (one copy per file and dtype), which later loads read instead. `eyas run` keeps them in its run folder: each
     of its stages loads the verifier, and transformers' GGUF loader takes about 20 s for SmolLM2-135M (it parses
-    the file twice and builds a tensor-name map per tensor), where the safetensors copy loads in about 1 s."""
+    the file twice and builds a tensor-name map per tensor), where the safetensors copy loads in about 1 s. No
+    copy is kept where the disk has less than twice its size free."""
     global _GGUF_CACHE
     before, _GGUF_CACHE = _GGUF_CACHE, Path(folder)
     try:
@@ -247,6 +248,10 @@ def _from_gguf(info: VerifierInfo, kwargs: dict[str, Any], *, cache: bool):
     if folder is not None:
         from safetensors.torch import save_model
 
+        size = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(folder.parent).free < 2 * size:  # a copy must not fill the disk a run writes to
+            return model, loading
         tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
