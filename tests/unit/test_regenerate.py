@@ -286,6 +286,11 @@ def test_loop_policy_keeps_trims_or_drops_an_answer_cut_in_a_loop(smollm2_path):
         again = LoopPolicy(mode, tok)(Answer(looped.text, False, 512, ids=ids), with_ids)
         assert with_ids == counts and (again is None) == (got is None)
         assert again is None or again.text == got.text
+    # --loop-copies 3: the text before the loop and three copies, so the draft sees the loop go on
+    counts = dict.fromkeys(_COUNTS, 0)
+    three = LoopPolicy("trim", tok, copies=3)(looped, counts)
+    assert three.text.startswith(intro) and three.text.count("Drink plenty of water") == 3
+    assert 0 < counts["trimmed_tokens"] < counts["loop_tokens"] - 2 * 8
 
 
 def test_repetition_penalty_changes_answers_and_is_recorded(make_tiny, source, tmp_path):

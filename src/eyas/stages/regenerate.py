@@ -97,6 +97,13 @@ class RegenerateConfig(StageConfig):
         "new tokens, and trimmed they stop flattering validation tau (1.68 against 1.52 decoded, where untrimmed "
         "data gave 2.37 against 1.86; docs/BENCHMARKS.md).",
     )
+    loop_copies: int = option(
+        1,
+        range=AT_LEAST_1,
+        help="with --loops trim, how many copies of the loop to keep: 1 keeps none of its repeats, so the draft "
+        "never sees a loop go on; 3 keeps two repeats, which teaches it to follow a loop the verifier falls into "
+        "while decoding without letting loop tails fill the data.",
+    )
     repetition_penalty: float = option(
         1.0,
         range=ABOVE_0,
@@ -189,6 +196,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
         settings = recorded_settings(c, server={"url": without_credentials(c.server), "model": c.server_model})
     else:  # precision moves greedy answers by a token now and then
         settings = recorded_settings(c, dtype=str(dt).removeprefix("torch."))
+    if c.loop_copies == 1:  # recorded only when set: outputs written before the option stay up to date
+        settings.pop("loop_copies")
     out_dir = Path(c.out)
     with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
         if c.device_map is not None and d.active:
@@ -229,7 +238,7 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                 with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
                     new_tokens = _converse(prompts, todo, backend, max_turns=c.max_turns, journal=journal,
                                            done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
-                                           loops=LoopPolicy(c.loops, tok))  # fmt: skip
+                                           loops=LoopPolicy(c.loops, tok, copies=c.loop_copies))  # fmt: skip
                 engine = backend.report()
             seconds = max(d.all_gather(time.perf_counter() - started))
             new_tokens = sum(d.all_gather(new_tokens))
@@ -296,10 +305,11 @@ _COUNTS = (
 
 class LoopPolicy:
     """``--loops``: finds a repetition loop at the end of an answer cut at ``--max-new-tokens`` (an answer the
-    verifier ended itself is left alone) and keeps, trims or drops it, counting what it did in ``counts``."""
+    verifier ended itself is left alone) and keeps, trims (to the text before it and ``copies`` copies of it)
+    or drops it, counting what it did in ``counts``."""
 
-    def __init__(self, mode: str, tok) -> None:
-        self.mode, self.tok = mode, tok
+    def __init__(self, mode: str, tok, *, copies: int = 1) -> None:
+        self.mode, self.tok, self.copies = mode, tok, copies
 
     def __call__(self, a: Answer, counts: dict[str, int]) -> Answer | None:
         from eyas.data.repetition import find_loop
@@ -315,7 +325,7 @@ class LoopPolicy:
             counts["dropped_answers"] += 1
             return None
         if self.mode == "trim":
-            keep = loop.trimmed_length()
+            keep = loop.trimmed_length(self.copies)
             counts["trimmed_tokens"] += len(ids) - keep
             text = self.tok.decode(ids[:keep], skip_special_tokens=True).strip()
             return Answer(text, a.finished, a.tokens, a.reasoning) if text else None
