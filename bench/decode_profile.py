@@ -8,6 +8,10 @@ nothing, so what it measures is the cost of a round; the speedup at a given tau 
     # anywhere: checks the script runs (tiny random Llama, CPU)
     PYTHONPATH=src python3 bench/decode_profile.py --smoke
 
+With ``--freeze off,on`` each attention runs twice, the verifier's layers and the draft compiled without and with
+inductor's freezing (weights as constants: q/k/v and gate/up one matmul each; eyas.engine.graphs.compile_frozen),
+then a line of on/off ratios (time, kernels, the memory its build took); ``auto`` (the default) is what eval does.
+
 With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
 (:class:`eyas.engine.generate.BatchDecoder`): every slot busy at each position ``--live`` lists, one step
 replayed as a graph, timed and profiled per row count and live length: what a step costs as
@@ -107,6 +111,7 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=3)
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
     ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
+    ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -133,48 +138,86 @@ def main() -> None:
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
         return
     env = setup(verifier=args.verifier, draft=args.draft, device=device, dtype="auto", seed=0)
-    dev, K, n = env["device"], args.draft_tokens, args.new_tokens
+    K, n = args.draft_tokens, args.new_tokens
     prompt = torch.randint(100, 20000 if not args.smoke else 400, (args.prompt_len,), generator=torch.Generator()
                            .manual_seed(0)).tolist()  # fmt: skip
+    freezes = {"off": False, "on": True, "auto": None}
     for attention in args.attention.split(","):
-        row = {"attention": attention, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "prompt_len": len(prompt), "new_tokens": n, "draft_tokens": K}  # fmt: skip
-        try:
-            t0 = time.perf_counter()
-            r = Runners.build(env["model"], env["draft"], draft_tokens=[K], max_len=len(prompt) + n + K + 2,
-                              attention=attention, fused_rounds=True)  # fmt: skip  # both loops' graphs
-            row["warmup_s"] = round(time.perf_counter() - t0, 1)
-            m = min(32, n)
-            for _ in range(2):  # the second run is timed
-                plain = plain_generate(r.base, prompt, max_new_tokens=n, eos_ids=set())
-            row["plain_tokens_per_s"] = len(plain.tokens) / plain.seconds
-            row["plain_ms_per_token"] = 1e3 * plain.seconds / len(plain.tokens)
-            row["plain_step_profile"] = kernels(lambda: plain_generate(r.base, prompt, max_new_tokens=m,
-                                                                       eos_ids=set()), m)  # fmt: skip
-            # the round-by-round loop, then each greedy round as one graph (speculative.GreedyRounds)
-            for name, fused in (("spec", False), ("spec_fused", True)):
-                kw = dict(draft_tokens=K, eos_ids=set(), fused=fused)
-                for _ in range(2):
-                    spec = speculative_generate(r.spec, r.draft, prompt, max_new_tokens=n, **kw)
-                row[f"{name}_lossless"] = plain.tokens == spec.tokens
-                rounds = len(spec.accepted)
-                row[f"{name}_ms_per_round"] = 1e3 * spec.seconds / rounds
-                row[f"{name}_tau"] = len(spec.tokens) / rounds
-                for tau in (1.68, 1.86):
-                    row[f"{name}_speedup_at_tau_{tau}"] = tau * row["plain_ms_per_token"] / row[f"{name}_ms_per_round"]
-                rounds = len(speculative_generate(r.spec, r.draft, prompt, max_new_tokens=m, **kw).accepted)
-                row[f"{name}_round_profile"] = kernels(
-                    lambda: speculative_generate(  # noqa: B023
-                        r.spec, r.draft, prompt, max_new_tokens=m, **kw
-                    ),
-                    rounds,
-                )
-        except Exception as e:  # one implementation failing must not hide the other
-            import traceback
+        rows = {}
+        for freeze in args.freeze.split(","):
+            rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n, K=K)
+            print(json.dumps({"freeze": freeze, **rows[freeze]}), flush=True)
+        if {"off", "on"} <= rows.keys():
+            print(json.dumps(freeze_ratios(rows["off"], rows["on"])), flush=True)
 
-            row["error"] = f"{type(e).__name__}: {e}"
-            row["traceback"] = traceback.format_exc(limit=8)
-        print(json.dumps(row), flush=True)
+
+def freeze_ratios(off: dict, on: dict) -> dict:
+    """Frozen against unfrozen, one attention: on / off of each time, kernel count and the memory the build took."""
+    out = {"compare": "freeze on/off", "attention": on["attention"], "frozen": on.get("frozen"),
+           "draft_frozen": on.get("draft_frozen")}  # fmt: skip
+    for key in ("plain_ms_per_token", "spec_ms_per_round", "spec_fused_ms_per_round", "warmup_s", "build_mib"):
+        if key in on and key in off and off[key]:
+            out[key] = round(on[key] / off[key], 4)
+    for key in ("plain_step_profile", "spec_round_profile", "spec_fused_round_profile"):
+        if key in on and key in off:
+            for k in ("kernels_per_step", "gpu_ms_per_step"):
+                out[f"{key}_{k}"] = round(on[key][k] / off[key][k], 4) if off[key][k] else None
+                out[f"{key}_{k}_off_on"] = [off[key][k], on[key][k]]
+    out["build_mib_off_on"] = [off.get("build_mib"), on.get("build_mib")]
+    out["same_plain_tokens"] = off.get("plain_tokens_hash") == on.get("plain_tokens_hash")
+    return out
+
+
+def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None, n: int, K: int) -> dict:
+    """One attention's plain step and speculative rounds (round by round and fused), timed and profiled."""
+    dev = env["device"]
+    row = {"attention": attention, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "prompt_len": len(prompt), "new_tokens": n, "draft_tokens": K}  # fmt: skip
+    try:
+        if dev.type == "cuda":  # what the build holds on the GPU: caches, graphs, and frozen copies of weights
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(dev)
+        t0 = time.perf_counter()
+        r = Runners.build(env["model"], env["draft"], draft_tokens=[K], max_len=len(prompt) + n + K + 2,
+                          attention=attention, fused_rounds=True, freeze=freeze)  # fmt: skip  # both loops' graphs
+        row["warmup_s"] = round(time.perf_counter() - t0, 1)
+        row["frozen"], row["draft_frozen"] = r.base.graphs.freeze, r.draft.frozen
+        if dev.type == "cuda":
+            row["build_mib"] = round((torch.cuda.memory_allocated(dev) - before) / 2**20, 1)
+        m = min(32, n)
+        for _ in range(2):  # the second run is timed
+            plain = plain_generate(r.base, prompt, max_new_tokens=n, eos_ids=set())
+        row["plain_tokens_per_s"] = len(plain.tokens) / plain.seconds
+        row["plain_ms_per_token"] = 1e3 * plain.seconds / len(plain.tokens)
+        row["plain_step_profile"] = kernels(lambda: plain_generate(r.base, prompt, max_new_tokens=m,
+                                                                   eos_ids=set()), m)  # fmt: skip
+        # the round-by-round loop, then each greedy round as one graph (speculative.GreedyRounds)
+        for name, fused in (("spec", False), ("spec_fused", True)):
+            kw = dict(draft_tokens=K, eos_ids=set(), fused=fused)
+            for _ in range(2):
+                spec = speculative_generate(r.spec, r.draft, prompt, max_new_tokens=n, **kw)
+            row[f"{name}_lossless"] = plain.tokens == spec.tokens
+            rounds = len(spec.accepted)
+            row[f"{name}_ms_per_round"] = 1e3 * spec.seconds / rounds
+            row[f"{name}_tau"] = len(spec.tokens) / rounds
+            for tau in (1.68, 1.86):
+                row[f"{name}_speedup_at_tau_{tau}"] = tau * row["plain_ms_per_token"] / row[f"{name}_ms_per_round"]
+            rounds = len(speculative_generate(r.spec, r.draft, prompt, max_new_tokens=m, **kw).accepted)
+            row[f"{name}_round_profile"] = kernels(
+                lambda: speculative_generate(  # noqa: B023
+                    r.spec, r.draft, prompt, max_new_tokens=m, **kw
+                ),
+                rounds,
+            )
+    except Exception as e:  # one implementation failing must not hide the other
+        import traceback
+
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc(limit=8)
+    return row
 
 
 if __name__ == "__main__":

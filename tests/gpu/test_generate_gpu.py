@@ -137,6 +137,48 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
     assert graphed.graphs.enabled and any(k[0] == "decode" for k in graphed.graphs.graphs)
 
 
+def test_frozen_layers_decode_as_eager(make_tiny):
+    """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants: q/k/v and
+    gate/up one matmul each), the default on a GPU where the copies are cheap: plain decoding and speculative
+    rounds (round by round and each round one graph) decode what eager forwards decode (fp32), nothing fell
+    back, and the plain step's compiled layers hold 4 matmuls a layer."""
+    from inductor_code import matmuls, output_code
+
+    from eyas.engine.generate import SequenceDecoder
+    from eyas.engine.graphs import freeze_fits
+
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    model = build_text_model(info, device="cuda")
+    layers = model.base_model.layers
+    assert freeze_fits(layers) and SequenceDecoder(model, capacity=64).graphs.freeze  # frozen by default here
+    frozen = SequenceDecoder(model, capacity=400, freeze=True)
+    eager = SequenceDecoder(model, capacity=400, cuda_graphs=False)
+    prompts = _prompts(3, seed=9)
+    got, codes = output_code(lambda: plain_generate(frozen, prompts[0], max_new_tokens=100, eos_ids=set()).tokens)
+    assert matmuls(codes) == 4 * len(layers)  # the one-token step's layers, one version each (7 a layer unfrozen)
+    assert got == plain_generate(eager, prompts[0], max_new_tokens=100, eos_ids=set()).tokens
+    draft = random_draft(info, seed=0, device="cuda")
+    draft.t2d.fill_(True)
+    out = {}
+    for graphs in (True, False):  # frozen graphs, then eager forwards
+        r = Runners.build(model, draft, draft_tokens=[3], max_len=600, cuda_graphs=graphs, freeze=graphs,
+                          fused_rounds=True)  # fmt: skip
+        runs = []
+        for p in prompts:
+            base = plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens
+            for fused in (False, True):
+                s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=3, eos_ids={2},
+                                         fused=fused)  # fmt: skip
+                assert s.tokens == base
+                runs.append((s.tokens, s.accepted))
+        out[graphs] = runs
+        assert r.base.graphs.freeze == r.spec.graphs.freeze == r.draft.frozen == graphs
+        assert r.base.graphs.enabled == r.draft.graphs.enabled == graphs  # no fallback, to eager or uncompiled
+        assert (r.base.graphs.compile_model is not None) == graphs and (r.draft._compiled is not None) == graphs
+    assert out[True] == out[False]
+
+
 def test_flex_attention_graphs_equal_sdpa(make_tiny):
     """FlexAttention (compiled, a block table per row) under CUDA graphs decodes what the SDPA path decodes
     (fp32), batched across key buckets and in eval's loops; neither falls back."""

@@ -679,14 +679,19 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
                  "--draft-tokens", "0"]) == 2  # fmt: skip
 
 
-def test_compiled_draft_decodes_what_the_eager_one_does(setups):
+@pytest.mark.parametrize("freeze", [False, True])
+def test_compiled_draft_decodes_what_the_eager_one_does(setups, freeze):
     """The draft's fixed-shape forwards through torch.compile (``DraftRunner(compile=True)``, on by default under
     CUDA graphs) propose and accept exactly the drafts of the eager forward, and its compiled catch-up over
-    the verifier's aux states (fused inside) gives the eager logits; the cache writes land in the cache."""
+    the verifier's aux states (fused inside) gives the eager logits; the cache writes land in the cache. Also
+    compiled frozen (eval's draft, weights as constants), where inductor's code has a layer's q/k/v as one
+    matmul and gate/up as another."""
+    from inductor_code import matmuls, output_code
+
     _, info, model, eos, prompts, drafts = setups("llama")
     draft = drafts["fitted"]
     spec = _verifier(model, draft.config.aux_layer_ids)
-    eager, compiled = DraftRunner(draft), DraftRunner(draft, compile=True)
+    eager, compiled = DraftRunner(draft), DraftRunner(draft, compile=True, freeze=freeze)
     for ids in prompts[:2]:
         want = speculative_generate(spec, eager, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
         got = speculative_generate(spec, compiled, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
@@ -697,8 +702,10 @@ def test_compiled_draft_decodes_what_the_eager_one_does(setups):
         dr.reset(64)
     with torch.no_grad():
         want = eager._forward(ids, aux, pos, fuse=True)
-        got = compiled._run(ids, aux, pos, fuse=True)
+        got, codes = output_code(lambda: compiled._run(ids, aux, pos, fuse=True))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fc and the head, then o and down a layer, and q/k/v and gate/up: 5 matmuls unfrozen, 2 frozen
+    assert matmuls(codes) == 2 + len(draft.layers) * (4 if freeze else 7)
     torch.testing.assert_close(compiled.cache.k, eager.cache.k, rtol=1e-5, atol=1e-5)
     assert bool(compiled.cache.valid[0, 3:5].all()) and not bool(compiled.cache.valid[0, 5:].any())
 

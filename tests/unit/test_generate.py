@@ -4,6 +4,7 @@ follows the verifier's distribution and does not depend on which requests share 
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import subprocess
@@ -237,6 +238,40 @@ def test_compiled_layers_equal_eager(make_tiny):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
     assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block
+
+
+def test_frozen_layers_fuse_qkv_and_gate_up(make_tiny):
+    """``compiled_layers(freeze=True)``: the decoder layers compiled with their weights as constants (inductor's
+    freezing) give eager's logits (fp32) through the slot attention, and inductor's output code holds 4 matmuls a
+    layer (q/k/v one, o, gate/up one, down), one compiled version per layer, where unfrozen it holds Llama's 7 in
+    one version shared by the layers."""
+    from inductor_code import matmuls, output_code
+
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+
+    t = make_tiny("llama")
+    config = copy.deepcopy(t.config)
+    config.num_hidden_layers = 2  # two layers (the tiny Llama's first two): a frozen compile each
+    model = t.model_cls(config).eval()
+    assert not model.load_state_dict(t.state_dict, strict=False).missing_keys
+    slots = Slots(slots=1, capacity=32, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    slots.start, slots.keys = torch.tensor([4]), 32
+    ids, pos = torch.tensor([[5, 9, 11]]), torch.tensor([[4, 5, 6]])  # a verification of 3 tokens at 4..6
+
+    def forward():
+        slots.begin()
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    counts = {}
+    with slot_attention(model, slots), torch.no_grad():
+        want = forward()
+        for freeze in (False, True):
+            with compiled_layers(model, freeze=freeze):
+                got, codes = output_code(forward)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            counts[freeze] = matmuls(codes)
+    assert counts == {False: 7, True: 4 * 2}, counts
 
 
 def test_plain_decode_blocks_equal_greedy_generate(make_tiny):

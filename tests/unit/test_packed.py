@@ -239,3 +239,22 @@ def test_a_moved_or_cast_model_stacks_its_experts_again(int4):
     index, weights = torch.randint(0, m.num_experts, (40, 2), generator=g), torch.rand(40, 2, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(m(x, index, weights.double()), m._per_expert(x, index, weights.double()))
+
+
+def test_packed_verifiers_are_never_frozen(int4, make_tiny, monkeypatch):
+    """Batch-1 decoding compiles a verifier's layers frozen (weights as constants: q/k/v and gate/up concatenated)
+    only where that is cheap and the weights are plain: a dense Llama where its layers' bytes times the shapes
+    compiled stay under a tenth of the free memory, not past it; an int4 one never, whatever the memory (its
+    matmul is eyas' own, over the packed ints)."""
+    from eyas.engine import graphs
+
+    dense = build_text_model(resolve(make_tiny("llama").path)).base_model.layers
+    packed = build_text_model(resolve(int4("llama_int4").path)).base_model.layers
+    size = sum(t.numel() * t.element_size() for t in [*dense.parameters(), *dense.buffers()])
+    monkeypatch.setattr(graphs, "_free_bytes", lambda device: 30 * size + 1)  # 3 shapes of it: a tenth, just
+    assert graphs.freeze_fits(dense)
+    assert not graphs.freeze_fits(dense, shapes=4)
+    monkeypatch.setattr(graphs, "_free_bytes", lambda device: 1 << 50)
+    assert not graphs.freeze_fits(packed)
+    monkeypatch.setattr(graphs, "_free_bytes", lambda device: None)  # not on CUDA
+    assert not graphs.freeze_fits(dense)

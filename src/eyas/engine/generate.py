@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from eyas.core.errors import EyasError
-from eyas.engine.graphs import Graphs
+from eyas.engine.graphs import Graphs, freeze_fits
 from eyas.engine.slots import Slots, key_bucket, layer_shapes, slot_attention
 
 
@@ -50,7 +50,10 @@ class SequenceDecoder:
 
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
     plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
-    ``compile``); a prompt of any length runs eagerly.
+    ``compile``); a prompt of any length runs eagerly. ``freeze`` compiles the layers with their weights as
+    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); by default
+    where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
+    the few shapes compiled a small part of the free GPU memory).
 
     The model's attention is switched to the slots (``set_attn_implementation``, which walks every module:
     0.7 ms of host time on SmolLM2) only where Python runs the forward: eager forwards and graph captures, or
@@ -59,7 +62,8 @@ class SequenceDecoder:
 
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
                  graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
-                 compile: bool = True, sync_every: int = 16, attention: str = "auto") -> None:  # fmt: skip
+                 compile: bool = True, sync_every: int = 16, attention: str = "auto",
+                 freeze: bool | None = None) -> None:  # fmt: skip
         from eyas.verifier.load import HiddenStateCapture
 
         self.model = model
@@ -71,7 +75,11 @@ class SequenceDecoder:
         if self.capture is not None:
             self.capture.remove()  # attached only during this decoder's forwards
         self.graph_lengths = set(graph_lengths)
-        self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None)
+        if freeze is None:  # a few shapes at batch size 1 (one token, K + 1): frozen where their copies are cheap
+            shapes = max(3, len(self.graph_lengths | {1}))
+            freeze = compile and cuda_graphs and freeze_fits(model.base_model.layers, shapes=shapes)
+        self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None,
+                             freeze=freeze)  # fmt: skip
         self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length
         self._pos: dict[int, torch.Tensor] = {}
         # plain decoding's state on the device: the token fed next, its position (the slot's start: a view),
@@ -342,7 +350,8 @@ class BatchDecoder:
         # tokens each row has written so far, for the repetition penalty (allocated only when one is asked for)
         self.seen = torch.zeros(S, model.config.vocab_size, dtype=torch.bool, device=dev) \
             if repetition_penalty != 1.0 else None  # fmt: skip
-        # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic)
+        # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic); not
+        # frozen, which would compile a version per layer and row count, each with its copy of the weights
         self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None, dynamic=None)
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "caller_seconds": 0.0}  # fmt: skip

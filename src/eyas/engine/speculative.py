@@ -94,11 +94,16 @@ class DraftRunner:
     small kernels eagerly (embedding, RoPE, norms, the cache write and mask, the MLP, the head), three a round,
     and a graph replays every one of them; compiled, inductor fuses the elementwise ones. The verifier's layers
     are compiled the same way (:func:`eyas.engine.graphs.compiled_layers`).
+
+    ``freeze`` (with ``compile``) compiles them with the draft's weights as constants, so its layer's q/k/v are
+    one matmul and gate/up another (:func:`eyas.engine.graphs.compile_frozen`; each shape compiled holds its copy
+    of those weights). Only for a draft whose weights no longer change, as eval's (loaded from its checkpoint):
+    weights updated in place later would not be seen.
     """
 
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True,
-                 compile: bool = False) -> None:  # fmt: skip
-        from eyas.engine.graphs import Graphs, raise_recompile_limit
+                 compile: bool = False, freeze: bool = False) -> None:  # fmt: skip
+        from eyas.engine.graphs import Graphs, compile_frozen, raise_recompile_limit
 
         self.draft = draft
         p = draft.fc.weight
@@ -113,7 +118,8 @@ class DraftRunner:
         self._compiled = None
         if compile:
             raise_recompile_limit()  # a shape per catch-up length, again for each new cache
-            self._compiled = torch.compile(self._forward, dynamic=False)
+            self._compiled = compile_frozen(self._forward) if freeze else torch.compile(self._forward, dynamic=False)
+        self.frozen = compile and freeze
 
     def reset(self, max_len: int) -> None:
         if self.cache is not None and max_len <= self.max_len:
@@ -393,7 +399,7 @@ class GreedyRounds:
         dev = verifier.device
         self.verifier, self.draft, self.K = verifier, draft, K
         self.graphs = Graphs(dev, enabled=verifier.graphs.enabled and draft.graphs.enabled,
-                             compile_model=verifier.graphs.compile_model)  # fmt: skip
+                             compile_model=verifier.graphs.compile_model, freeze=verifier.graphs.freeze)  # fmt: skip
         cfg = draft.draft.config
         self.m = torch.zeros(1, dtype=torch.long, device=dev)  # position of `last`
         self.last = torch.zeros(1, dtype=torch.long, device=dev)

@@ -85,16 +85,25 @@ class Runners:
 
     @classmethod
     def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int, cuda_graphs: bool = True,
-              compile: bool = True, attention: str = "auto", fused_rounds: bool = False) -> "Runners":  # fmt: skip
-        """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front."""
+              compile: bool = True, attention: str = "auto", fused_rounds: bool = False,
+              freeze: bool | None = None) -> "Runners":  # fmt: skip
+        """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front.
+        ``freeze``: compile the verifier's layers and the draft's forwards with their weights as constants
+        (:func:`eyas.engine.graphs.compile_frozen`; neither changes while eval measures); by default each where
+        its copies of the weights are cheap (:func:`eyas.engine.graphs.freeze_fits`)."""
+        from eyas.engine.graphs import freeze_fits
+
         Ks = sorted(set(draft_tokens))
-        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention)
+        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention, freeze=freeze)
+        compile_draft = compile and cuda_graphs and draft.fc.weight.device.type == "cuda"
+        # the draft compiles a shape per catch-up length (1..K+1) and its drafting step
+        freeze_draft = freeze if freeze is not None else freeze_fits(draft.layers, shapes=max(Ks) + 2)
         r = cls(
             spec=SequenceDecoder(model, aux_layer_ids=draft.config.aux_layer_ids, graph_lengths=[K + 1 for K in Ks],
                                  **kw),  # fmt: skip
             base=SequenceDecoder(model, graph_lengths=(), **kw),  # plain steps: SequenceDecoder.decode's graphs
-            draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs,
-                              compile=compile and cuda_graphs and draft.fc.weight.device.type == "cuda"),
+            draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs, compile=compile_draft,
+                              freeze=compile_draft and freeze_draft),  # fmt: skip
             draft_tokens=Ks,
             fused_rounds=fused_rounds,
         )  # fmt: skip

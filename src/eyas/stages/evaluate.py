@@ -214,6 +214,8 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
+        # the verifier's layers compiled with their weights as constants (q/k/v and gate/up one matmul each)
+        "frozen": graphs and runners.base.graphs.compile_model is not None and runners.base.graphs.freeze,
         "fused_rounds": graphs and c.fused_rounds and c.temperature == 0,
         "batch_size": 1,
         "chat_template_sha256": template_sha,
