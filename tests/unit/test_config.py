@@ -203,7 +203,7 @@ def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, s
 RECORDED = {
     "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "max_attempts",
                 "seed"},
-    "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops",
+    "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops", "loop_copies",
                    "repetition_penalty", "seed", "strict"},
     "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow", "loop_tails"},
     "vocab": {"draft_vocab_size", "count"},

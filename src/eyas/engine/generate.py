@@ -51,8 +51,8 @@ class SequenceDecoder:
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
     plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
     ``compile``); a prompt of any length runs eagerly. ``freeze`` compiles the layers with their weights as
-    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); by default
-    where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
+    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); ``None``
+    freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
     the few shapes compiled a small part of the free GPU memory).
 
     The model's attention is switched to the slots (``set_attn_implementation``, which walks every module:
@@ -63,7 +63,7 @@ class SequenceDecoder:
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
                  graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
                  compile: bool = True, sync_every: int = 16, attention: str = "auto",
-                 freeze: bool | None = None) -> None:  # fmt: skip
+                 freeze: bool | None = False) -> None:  # fmt: skip
         from eyas.verifier.load import HiddenStateCapture
 
         self.model = model

@@ -86,10 +86,10 @@ class Runners:
     @classmethod
     def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int, cuda_graphs: bool = True,
               compile: bool = True, attention: str = "auto", fused_rounds: bool = False,
-              freeze: bool | None = None) -> "Runners":  # fmt: skip
+              freeze: bool | None = False) -> "Runners":  # fmt: skip
         """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front.
         ``freeze``: compile the verifier's layers and the draft's forwards with their weights as constants
-        (:func:`eyas.engine.graphs.compile_frozen`; neither changes while eval measures); by default each where
+        (:func:`eyas.engine.graphs.compile_frozen`; neither changes while eval measures); ``None`` each where
         its copies of the weights are cheap (:func:`eyas.engine.graphs.freeze_fits`)."""
         from eyas.engine.graphs import freeze_fits
 

@@ -148,6 +148,13 @@ class EvalConfig(StageConfig):
         "verification, the acceptance and the draft's catch-up) as one CUDA graph with one host read a round "
         "(vLLM's padded drafting), instead of a graph per part and the host between them.",
     )
+    freeze: bool = option(
+        False,
+        help="with --compile, compile the verifier's layers and the draft with their weights as constants "
+        "(inductor's freezing: q/k/v and gate/up one matmul each, 3 kernels a layer fewer) where the copies of "
+        "the weights this makes are a small part of the free GPU memory; off by default until a GPU run "
+        "measures what it saves against the compiling it adds (bench/decode_profile.py --freeze off,on).",
+    )
     baseline: bool = option(True, help="also run plain decoding (needed for the lossless check and the speedup).")
     recheck_fp32: bool = option(
         False,
@@ -192,7 +199,8 @@ def run(c: EvalConfig) -> dict[str, Any]:
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
     runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
-                            compile=c.compile, fused_rounds=c.fused_rounds)  # fmt: skip
+                            compile=c.compile, fused_rounds=c.fused_rounds,
+                            freeze=None if c.freeze else False)  # fmt: skip
     graphs = runners.base.graphs.enabled
     m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
