@@ -21,10 +21,10 @@
 # or, in one call of about 2 minutes on the random-weight model, what one batched step of eyas regenerate costs
 # by row count and live keys, with each slot attention, and where its time goes (bench/decode_profile.py --batched):
 #   bash bench/gpu/generate.sh batched
-# or, in one call of about 4 minutes on the random-weight model, what a plain step and a speculative round cost
-# (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds) with FlexAttention, with
-# the layers compiled without and with freezing (q/k/v and gate/up one matmul each; a line of on/off ratios), and
-# the GPU tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
+# or, in one call of at most about 9 minutes (its timeouts) on the random-weight model, what a plain step and a
+# speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
+# with FlexAttention, the layers compiled without and with freezing (q/k/v and gate/up one matmul each; a line of
+# on/off ratios), and the GPU tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
@@ -60,8 +60,8 @@ if [ "$mode" = batched ]; then
   exit 0
 fi
 if [ "$mode" = rounds ]; then
-  run profile timeout 360 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off,on
-  run gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
+  run profile timeout 300 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off,on
+  run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
     -k "speculative or flex or row_count or frozen"
   collect
   exit 0
