@@ -102,6 +102,16 @@ def test_nan_and_huge_numbers_are_one_line(made, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_nul_character_in_a_path_is_one_line(made, tmp_path, capsys):
+    """A NUL in a path (a config's `out = "\\u0000"`) reached the OS's path functions, which raise a bare
+    ValueError ("embedded null byte"); it is refused in one line naming the key, from a flag or from `eyas run`."""
+    refused(capsys, _train(made, tmp_path / "d\x00"), "--out", "NUL character")
+    (tmp_path / "run.toml").write_text('out = "\\u0000"\nverifier = "%s"\n\n[vocab]\ndata = "%s"\n'
+                                       % (made.verifier, made.prepared))  # fmt: skip
+    refused(capsys, ["run", str(tmp_path / "run.toml")], "[vocab] out", "NUL character")
+    assert [p.name for p in tmp_path.iterdir()] == ["run.toml"]
+
+
 def test_a_batch_that_cannot_fit_in_memory_is_refused_before_it_is_allocated(made, tmp_path, capsys):
     """`train --max-seq-len 1000000000` is refused in one line (unchecked, the kernel kills it at 23 GB silently)."""
     refused(capsys, _train(made, tmp_path / "d", "--max-seq-len", "1000000000"),  # (the later flag wins)

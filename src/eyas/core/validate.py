@@ -124,6 +124,10 @@ def check_values(config: type, values: dict[str, Any], *, label: Callable[[str],
         if allowed is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
             if value not in allowed:
                 raise EyasError(f"{label(name)} must be {allowed}, got {value!r}")
+        nul = next((v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and "\x00" in v),
+                   None)  # fmt: skip
+        if nul is not None:  # no path, name or template holds one; the OS refuses it with a bare ValueError
+            raise EyasError(f"{label(name)} {nul!r} holds a NUL character (\\x00): remove it")
         big = next((v for v in (value if isinstance(value, list) else [value])
                     if isinstance(v, int) and abs(v) > MAX_INT), None)  # fmt: skip
         if big is not None:  # beyond what numpy's and torch's sizes hold
