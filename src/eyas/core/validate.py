@@ -124,12 +124,11 @@ def check_values(config: type, values: dict[str, Any], *, label: Callable[[str],
         if allowed is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
             if value not in allowed:
                 raise EyasError(f"{label(name)} must be {allowed}, got {value!r}")
-        nul = next((v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str) and "\x00" in v),
-                   None)  # fmt: skip
+        items = value if isinstance(value, list) else [value]
+        nul = next((v for v in items if isinstance(v, str) and "\x00" in v), None)
         if nul is not None:  # no path, name or template holds one; the OS refuses it with a bare ValueError
             raise EyasError(f"{label(name)} {nul!r} holds a NUL character (\\x00): remove it")
-        big = next((v for v in (value if isinstance(value, list) else [value])
-                    if isinstance(v, int) and abs(v) > MAX_INT), None)  # fmt: skip
+        big = next((v for v in items if isinstance(v, int) and abs(v) > MAX_INT), None)
         if big is not None:  # beyond what numpy's and torch's sizes hold
             raise EyasError(f"{label(name)} {big} is too large: give at most {MAX_INT}")
         out[name] = value
