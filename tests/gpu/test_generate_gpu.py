@@ -139,7 +139,7 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
 
 def test_frozen_layers_decode_as_eager(make_tiny):
     """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants: q/k/v and
-    gate/up one matmul each), the default on a GPU where the copies are cheap: plain decoding and speculative
+    gate/up one matmul each; `eyas eval --freeze`, where the copies are cheap): plain decoding and speculative
     rounds (round by round and each round one graph) decode what eager forwards decode (fp32), nothing fell
     back, and the plain step's compiled layers hold 4 matmuls a layer."""
     from inductor_code import matmuls, output_code
