@@ -45,7 +45,7 @@ from eyas.stages.evaluate import setup  # noqa: E402
 from eyas.evaluation.measure import Runners  # noqa: E402
 from eyas.verifier.load import varying_shape_attention  # noqa: E402
 from eyas.engine.generate import BatchDecoder  # noqa: E402
-from eyas.engine.slots import key_bucket, slot_attention  # noqa: E402
+from eyas.engine.slots import slot_attention  # noqa: E402
 from eyas.engine.speculative import plain_generate, speculative_generate  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
     dec = BatchDecoder(model, eos_ids=set(), max_len=live + 64, batch_tokens=rows * (live + 64), attention=attention)
     dec.pos.fill_(live)
     dec.tok.random_(0, model.config.vocab_size)
-    dec.slots.keys = key_bucket(live + 2, dec.max_len)
+    dec.slots.keys = dec.slots.key_length(live + 2)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     R = dec.num_slots  # every row busy: the step over all of them

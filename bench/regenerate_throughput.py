@@ -62,7 +62,8 @@ def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max
     t0 = time.perf_counter()
     dec = BatchDecoder(model, eos_ids=eos, max_len=max_len, batch_tokens=batch_tokens, cuda_graphs=graphs,
                        attention=attention)  # fmt: skip
-    # warm-up outside the timing: every key-length bucket's graph recorded on a few prompts of each length class
+    # warm-up outside the timing: every key length's graph (SDPA's buckets; FlexAttention has one) recorded on a
+    # few prompts of each length class
     warm = [Request(key=-1, tokens=[1] * n, max_new_tokens=max_new_tokens) for n in (8, 256, 1024) if n < max_len]
     for _ in dec.run(RequestQueue(warm)):
         pass

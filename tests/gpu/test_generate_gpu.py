@@ -31,8 +31,9 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma"])
 def test_batched_graphs_equal_eager(make_tiny, name):
-    """40 prompts through 8 slots of 512 positions, graphs across several key-length buckets, against the same
-    decoder run eagerly, and against transformers' generate of each prompt alone."""
+    """40 prompts through 8 slots of 512 positions (the default attention: FlexAttention, one key length for
+    every position), graphs against the same decoder run eagerly, and against transformers' generate of each
+    prompt alone."""
     t = make_tiny(name)
     model = build_text_model(resolve(t.path), device="cuda")
     prompts = _prompts(40)
@@ -74,7 +75,8 @@ def test_row_count_graphs_equal_eager(make_tiny, monkeypatch, attention):
 
 
 def test_bf16_batched_graphs_run(make_tiny):
-    """bf16 with graphs: every request answered, the graphs recorded once per key bucket and replayed."""
+    """bf16 with graphs: every request answered, the graphs recorded once per row count and key length and
+    replayed."""
     t = make_tiny("llama")
     model = build_text_model(resolve(t.path), dtype=torch.bfloat16, device="cuda")
     reqs = [Request(key=i, tokens=p, max_new_tokens=64) for i, p in enumerate(_prompts(100, seed=1))]
@@ -84,7 +86,7 @@ def test_bf16_batched_graphs_run(make_tiny):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_speculative_graphs_equal_eager(make_tiny, fused):
-    """eval's loop with every fixed-shape forward a CUDA graph (verifier 1 and K+1 tokens per key bucket, draft
+    """eval's loop with every fixed-shape forward a CUDA graph (verifier 1 and K+1 tokens per key length, draft
     catch-ups and steps; with ``fused`` each greedy round one graph) decodes and accepts exactly as eagerly, at
     K = 2 and 4 in one build."""
     t = make_tiny("llama")
@@ -113,7 +115,7 @@ def test_speculative_graphs_equal_eager(make_tiny, fused):
 
 def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
     """Plain decoding as one graph per step (forward, pick and position advance; tokens read a block at a
-    time) across key buckets: greedy equals eager and transformers' generate (fp32), and seeded sampling at
+    time) across positions: greedy equals eager and transformers' generate (fp32), and seeded sampling at
     T = 1 replays exactly what the eager step draws."""
     from eyas.engine.generate import SequenceDecoder
 
@@ -181,7 +183,8 @@ def test_frozen_layers_decode_as_eager(make_tiny):
 
 def test_flex_attention_graphs_equal_sdpa(make_tiny):
     """FlexAttention (compiled, a block table per row) under CUDA graphs decodes what the SDPA path decodes
-    (fp32), batched across key buckets and in eval's loops; neither falls back."""
+    (fp32), batched and in eval's loops, where each shape's one graph serves every position (the whole buffer
+    as its key length); neither falls back."""
     from eyas.engine.slots import Slots
 
     t = make_tiny("llama")
@@ -199,3 +202,5 @@ def test_flex_attention_graphs_equal_sdpa(make_tiny):
         assert s.tokens == plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens
     assert r.base.slots.attention == r.spec.slots.attention == "flex" and r.base.graphs.enabled
     assert isinstance(r.base.slots, Slots)
+    # prompts of up to 200 tokens and 96 new ones cross several of SDPA's key buckets: one key length here
+    assert {key[-1] for key in r.base.graphs.graphs} == {r.base.slots.alloc}, list(r.base.graphs.graphs)

@@ -122,6 +122,21 @@ def test_key_buckets():
     assert key_bucket(5000, 4096) == 4096 and key_bucket(40000, 65536) == 49152
 
 
+def test_flex_attends_the_whole_buffer_at_every_position(make_tiny):
+    """The key length a forward is recorded for: through FlexAttention the whole (block-rounded) buffer at any
+    position, so one graph serves a whole answer; through SDPA, and for a forward too long for FlexAttention's
+    query block, the bucket covering the positions."""
+    from eyas.engine.slots import FLEX_MAX_NEW, Slots, layer_shapes
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    kw = dict(slots=1, capacity=300, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    flex, sdpa = Slots(attention="flex", **kw), Slots(attention="sdpa", **kw)
+    assert flex.k[0].shape[2] == 384  # 300 rounded up to FlexAttention's 128-key blocks
+    assert {flex.key_length(n, t) for n in (1, 65, 200, 300) for t in (1, 4)} == {384}
+    assert flex.key_length(100, FLEX_MAX_NEW + 1) == 128  # a prompt: SDPA over its bucket
+    assert [sdpa.key_length(n) for n in (1, 65, 200, 300)] == [64, 128, 256, 300]
+
+
 def test_sampling_follows_the_distribution_and_ignores_the_batch():
     """Gumbel-max over counter-based noise: over 4000 seeds the samples of softmax(l / T) pass a chi-square test,
     and a row's token depends only on its seed, position and logits, not on the rows beside it."""
@@ -293,14 +308,20 @@ def test_plain_decode_blocks_equal_greedy_generate(make_tiny):
 
 # on CPU, FlexAttention runs its unfused reference (what CUDA compiles): the same numbers, torch says so once
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_flex_attention_equals_sdpa(make_tiny, name):
     """The FlexAttention path (a block table per row, FlexAttention's reference implementation on CPU) decodes
-    what the SDPA path decodes, batched and at batch 1 (a 4-token verification forward included)."""
+    what the SDPA path decodes, batched and at batch 1 (a 4-token verification forward included); Gemma-2's
+    attention softcap (a cap of 0.02 here, so that it bends the tiny model's small scores) as FlexAttention's score_mod
+    equals SDPA's written-out one."""
     from eyas.engine.generate import SequenceDecoder
 
     t = make_tiny(name)
     model = build_text_model(resolve(t.path))
+    if name == "gemma2":
+        model.config.attn_logit_softcapping = 0.02
+        for layer in model.base_model.layers:
+            layer.self_attn.attn_logit_softcapping = 0.02
     prompts = _prompts(6, seed=2, longest=150)  # keys past one 128-key block
     reqs = [Request(key=i, tokens=p, max_new_tokens=12) for i, p in enumerate(prompts)]
     kw = dict(eos_ids=EOS, max_len=200, batch_tokens=200 * 3, sync_every=4)

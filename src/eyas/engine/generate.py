@@ -15,7 +15,7 @@ installed, and they are fetched from the hub, which the GPU machine cannot reach
 Memory is fixed by the settings, not by the data: the key/value buffers are allocated once (``batch_tokens``
 positions in all), a prefill packs at most ``prefill_tokens`` tokens, and a prompt that does not fit a slot is
 answered as too long instead of growing anything. On CUDA every fixed-shape decoding forward is recorded once
-as a CUDA graph (per key length bucket) and replayed (:mod:`eyas.engine.graphs`), so the host does not dispatch
+as a CUDA graph (one per key length: a single one through FlexAttention) and replayed (:mod:`eyas.engine.graphs`), so the host does not dispatch
 hundreds of kernels a token.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from eyas.core.errors import EyasError
 from eyas.engine.graphs import Graphs, freeze_fits
-from eyas.engine.slots import Slots, key_bucket, layer_shapes, slot_attention
+from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -49,7 +49,7 @@ class SequenceDecoder:
     ``sync_every`` steps.
 
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
-    plain decoding step over one, each a CUDA graph per key-length bucket (its layers compiled with
+    plain decoding step over one, each a CUDA graph per key length (:meth:`Slots.key_length`; its layers compiled with
     ``compile``); a prompt of any length runs eagerly. ``freeze`` compiles the layers with their weights as
     constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); ``None``
     freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
@@ -141,7 +141,7 @@ class SequenceDecoder:
             raise EyasError(f"internal: {start + T} positions exceed the verifier cache of {self.capacity}")
         slots = self.slots
         slots.start.fill_(start)
-        slots.keys = key_bucket(start + T, self.capacity)
+        slots.keys = slots.key_length(start + T, T)
         if T in self.graph_lengths and not last_only and self.graphs.enabled:
             if T not in self._ids:
                 self._ids[T] = torch.zeros(1, T, dtype=torch.long, device=self.device)
@@ -161,7 +161,7 @@ class SequenceDecoder:
     def _decode_step(self, temperature: float) -> None:
         """One plain decoding step on the device: feed ``_tok`` at ``_at``, pick the next token (argmax, or a
         Gumbel-max sample keyed by seed and position: no generator state, so it replays in a graph), store it
-        in the ring, advance. The whole step is one CUDA graph per key bucket."""
+        in the ring, advance. The whole step is one CUDA graph per key length."""
         self.slots.begin()
         logits = self.model(input_ids=self._tok, position_ids=self._at, use_cache=False).logits[:, -1]  # [1, V]
         nxt = pick_tokens(logits, temperature=temperature, seed=self._seed, position=self._at[:, 0] + 1)  # [1]
@@ -188,7 +188,7 @@ class SequenceDecoder:
         while count > 0:
             k = min(N, count)
             for j in range(k):
-                self.slots.keys = key_bucket(p + j + 1, self.capacity)
+                self.slots.keys = self.slots.key_length(p + j + 1)
                 # recording a graph runs the step three times: the token and position are put back after it
                 self.graphs.run(("decode", temperature, self.slots.keys), step, state=(self._tok, self._at))
             ring = self._ring.tolist()  # the block's one device->host sync
@@ -470,7 +470,7 @@ class BatchDecoder:
                         return
                     continue
                 t0 = time.perf_counter()
-                self.slots.keys = key_bucket(int(at[busy].max()) + N + 1, self.max_len)
+                self.slots.keys = self.slots.key_length(int(at[busy].max()) + N + 1)
                 R = row_bucket(int(busy[-1]) + 1, S)  # rows past R are free: they stay where they are
                 step = functools.partial(self._step, R)
                 for i in range(N):

@@ -77,15 +77,31 @@ class Slots:
         alloc = -(-capacity // FLEX_BLOCK) * FLEX_BLOCK if attention == "flex" else capacity
         self.k = [torch.zeros(slots, h, alloc, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
         self.v = [torch.zeros(slots, h, alloc, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
+        self.alloc = alloc
         self.rows = torch.arange(slots, device=device)
         self.layout = "rows"
         self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
-        self.keys = capacity  # rows layout: key length attended (a bucket >= every query's position + 1)
+        # FlexAttention runs where a layer's slots live with the positions (a device map's other GPUs: SDPA)
+        self._flex_everywhere = all(torch.device(at) == self.start.device for *_, at in layers)
+        self.keys = capacity  # rows layout: key length attended (>= every query's position + 1; key_length)
         self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
         self.prompt_len = 0  # packed layout: Tp
         self._masks: dict[Any, Any] = {}
         self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._pos: torch.Tensor | None = None
+
+    def key_length(self, n: int, new: int = 1) -> int:
+        """The key length a rows-layout forward of ``new`` tokens a row attends when its queries reach position
+        ``n - 1``: what ``keys`` is set to before the forward, and what its CUDA graph is recorded for.
+
+        Through FlexAttention the whole buffer, whatever ``n``: its block table lists each row's live key blocks
+        and its decoding kernel divides those blocks, not the key length, among its programs
+        (``TILE_KV_OG`` in torch/_inductor/kernel/flex/templates/flex_decode.py.jinja), so attending the whole
+        buffer reads what a shorter length reads, and one graph (and one compiled kernel) serves every position
+        instead of one per bucket. Through SDPA, which reads every key it is given, the bucket covering ``n``."""
+        if self.attention == "flex" and new <= FLEX_MAX_NEW and self._flex_everywhere:
+            return self.alloc
+        return key_bucket(n, self.capacity)
 
     @staticmethod
     def bytes_per_token(layers: list[tuple[int, int, int, torch.device]], dtype: torch.dtype) -> int:
@@ -222,7 +238,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     n = slots.keys
     # decoding and verification (a few new tokens a row) through FlexAttention; a prompt's forward (any length:
     # one compile each) through SDPA
-    if slots.attention == "flex" and T <= FLEX_MAX_NEW and softcap is None and K.device == slots.start.device:
+    if slots.attention == "flex" and T <= FLEX_MAX_NEW and K.device == slots.start.device:
         # The G query heads that share a key head are folded into the query length, as for SDPA below
         # ([S, H, T, d] -> [S, kvh, G*T, d]): inductor's split-key decoding kernel takes grouped-query attention
         # only at a power-of-two G (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding) and
@@ -233,7 +249,8 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q = query.reshape(S, kvh, G * T, -1) if fold else query
         try:
             out = _flex()(q, K[:S, :, :nf].to(query.dtype), V[:S, :, :nf].to(query.dtype), block_mask=block_mask,
-                          scale=scaling, enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
+                          score_mod=_softcap_mod(softcap), scale=scaling,
+                          enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
             return out.reshape(S, H, T, -1).transpose(1, 2), None
         except Exception as e:  # a compiler error: the SDPA path from then on, after one note
             import sys
@@ -264,9 +281,23 @@ def _flex():
     for name in ("recompile_limit", "cache_size_limit"):  # a shape per (new tokens, rows) before it turns dynamic
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 64))
-    # shapes left to torch.compile's default: the key length is made dynamic at its first change, so the key
-    # buckets share one kernel instead of a compile each
+    # shapes left to torch.compile's default: the key length is always the whole buffer (Slots.key_length); the
+    # row count, which a batched step varies, is made dynamic at its first change instead of a compile each
     return torch.compile(flex_attention)
+
+
+@functools.cache
+def _softcap_mod(softcap: float | None):
+    """FlexAttention's ``score_mod`` for Gemma-2's ``attn_logit_softcapping`` (``c * tanh(s / c)`` on the scaled
+    scores, as transformers' eager attention does); None without it. One function per cap, so the compiled
+    FlexAttention sees the same ``score_mod`` at every call and compiles once."""
+    if softcap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
 
 
 def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:

@@ -39,7 +39,6 @@ import torch
 from eyas.core.errors import EyasError, brief
 from eyas.engine.generate import SequenceDecoder
 from eyas.draft.model import Eagle3Draft
-from eyas.engine.slots import key_bucket
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -381,7 +380,7 @@ def _account(out: Generation, host: list[int], max_new_tokens: int, eos_ids: set
 
 
 class GreedyRounds:
-    """A whole greedy round as one CUDA graph per key bucket: the K - 1 drafting steps, the verifier's forward
+    """A whole greedy round as one CUDA graph per key length: the K - 1 drafting steps, the verifier's forward
     over ``last`` and the K drafts, the acceptance, and the draft's catch-up; the host replays it and reads
     ``[accepted, next token, proposal]`` once (the round's only sync).
 
@@ -426,7 +425,7 @@ class GreedyRounds:
     def run(self, m: int) -> list[int]:
         """One round from position ``m`` (the host's copy of ``self.m``) -> ``[accepted, next, proposal...]``."""
         v = self.verifier
-        v.slots.keys = key_bucket(m + self.K + 1, v.capacity)
+        v.slots.keys = v.slots.key_length(m + self.K + 1, self.K + 1)
         self.graphs.run(("round", v.slots.keys), v._engage(self._round),
                         state=(self.m, self.last, self.d_logits, self.hidden))  # fmt: skip
         return self.out.tolist()
