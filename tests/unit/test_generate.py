@@ -289,6 +289,66 @@ def test_frozen_layers_fuse_qkv_and_gate_up(make_tiny):
     assert counts == {False: 7, True: 4 * 2}, counts
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the eager reference
+@pytest.mark.parametrize(("name", "rows", "freeze"), [("llama", 1, False), ("llama", 3, False), ("llama", 1, True),
+                                                      ("gemma2", 3, False)])  # fmt: skip
+def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, freeze):
+    """Decoding and verification through FlexAttention inside the compiled layers: the key/value writes and the
+    attention are part of each layer's compiled code (no graph break), the layers share it (a compiled version
+    per shape, not per layer: their buffers are inputs), and two steps and a 4-token verification, each reading
+    what the one before wrote, give eager's logits and leave eager's keys and values, at one sequence and at 3
+    rows at different positions; frozen too (the buffers stay inputs, not constants), and for Gemma-2 (sliding
+    and global layers, an attention softcap)."""
+    from inductor_code import output_code
+
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+
+    t = make_tiny(name)
+    model = build_text_model(resolve(t.path))
+    if name == "gemma2":
+        assert {x.window for x in layer_shapes(model)} == {None, model.config.sliding_window}
+        for layer in model.base_model.layers:
+            layer.self_attn.attn_logit_softcapping = 0.02
+    slots = Slots(slots=rows, capacity=200, layers=layer_shapes(model), dtype=torch.float32,
+                  device=torch.device("cpu"), attention="flex")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for buf in slots.k + slots.v:  # earlier positions: whatever a prompt left there
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    kept = [b.clone() for b in slots.k + slots.v]
+    first = torch.tensor([0, 37, 130][:rows])  # the third row's keys past the first 128-key block
+
+    def forward(T: int, at: torch.Tensor):
+        slots.start = at
+        slots.keys = slots.key_length(int(at.max()) + T, T)
+        slots.begin(T, rows)
+        ids = (at[:, None] * 7 + torch.arange(T)) % 500 + 3  # [rows, T]
+        return model(input_ids=ids, position_ids=at[:, None] + torch.arange(T), use_cache=False).logits
+
+    def run():
+        return [forward(1, first), forward(1, first + 1), forward(4, first + 2)]
+
+    with slot_attention(model, slots), torch.no_grad():
+        want = run()
+        want_kv = [b.clone() for b in slots.k + slots.v]
+        for b, k in zip(slots.k + slots.v, kept):
+            b.copy_(k)
+        torch._dynamo.utils.counters.clear()
+        with compiled_layers(model, freeze=freeze):
+            got, codes = output_code(run)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(slots.k + slots.v, want_kv):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    traced = [c for c in codes if "flex_attention" in c and "index_" in c]
+    assert traced, "no compiled code holds both the cache writes and the attention"
+    layers = len(model.base_model.layers)
+    # two shapes (one token, four), a version each (two for Gemma-2's two kinds of layer), a few recompiles at
+    # most; frozen, a version per layer and shape
+    assert len(codes) >= (2 * layers if freeze else 2) and (freeze or len(codes) < layers), len(codes)
+
+
 def test_plain_decode_blocks_equal_greedy_generate(make_tiny):
     """eval's plain loop: the step advances its own token and position on the device and the host reads tokens
     in blocks of `sync_every`; answers equal transformers' generate, cut at an end of turn inside a block and

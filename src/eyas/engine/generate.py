@@ -127,7 +127,7 @@ class SequenceDecoder:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: int):
         """ids, pos ``[1, T]`` -> logits ``[T', V]`` (``keep`` last, 0 = all), aux ``[T, 3H]`` or None."""
-        self.slots.begin()
+        self.slots.begin(ids.shape[1])
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
         aux = self.capture.aux()[0] if self.capture is not None else None
         return out.logits[0], aux
@@ -162,7 +162,7 @@ class SequenceDecoder:
         """One plain decoding step on the device: feed ``_tok`` at ``_at``, pick the next token (argmax, or a
         Gumbel-max sample keyed by seed and position: no generator state, so it replays in a graph), store it
         in the ring, advance. The whole step is one CUDA graph per key length."""
-        self.slots.begin()
+        self.slots.begin(1)
         logits = self.model(input_ids=self._tok, position_ids=self._at, use_cache=False).logits[:, -1]  # [1, V]
         nxt = pick_tokens(logits, temperature=temperature, seed=self._seed, position=self._at[:, 0] + 1)  # [1]
         self._ring.index_copy_(0, self._at[:, 0] % self.sync_every, nxt)
@@ -380,7 +380,7 @@ class BatchDecoder:
     def _step(self, R: int) -> torch.Tensor:
         """One decoding step of the first ``R`` rows (idempotent: the state moves outside): their next tokens
         ``[R]``."""
-        self.slots.begin()
+        self.slots.begin(1, R)
         tok, pos = self.tok[:R], self.pos[:R]
         logits = self.model(input_ids=tok, position_ids=pos, use_cache=False).logits[:, -1]  # [R, V]
         logits = self._penalize(logits, None if self.seen is None else self.seen[:R], tok[:, 0])

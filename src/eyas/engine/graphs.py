@@ -179,9 +179,11 @@ def _free_bytes(device: torch.device) -> int | None:
 def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False) -> Iterator[None]:
     """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
     (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
-    model; PyTorch's "regional compilation" recipe). The slot attention stays eager (a graph break: it is
-    registered through ``torch.compiler.disable``), so the compiled code does not depend on key lengths and
-    a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
+    model; PyTorch's "regional compilation" recipe). A decoding forward through FlexAttention compiles with its
+    slot attention inside (the cache writes and the attention fused with the layer; its code does not depend on
+    the position, :func:`eyas.engine.slots._attention`); every other slot attention (SDPA over a key-length
+    bucket, prompts) stays eager, a graph break, so the compiled code does not depend on key lengths and a shape
+    compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
 
     ``dynamic`` is ``torch.compile``'s: ``False`` specialises every shape (batch size 1 compiles two: one new
     token and the verification's K + 1); ``None`` compiles the first shape as it is and the next ones once

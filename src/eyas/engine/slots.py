@@ -13,7 +13,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,17 @@ def key_bucket(n: int, capacity: int) -> int:
 # --------------------------------------------------------------------------- key/value slots and the attention
 
 
+class LayerShape(NamedTuple):
+    """What one decoder layer's attention stores and how it attends (read off a forward: :func:`layer_shapes`)."""
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    device: torch.device
+    groups: int = 1  # query heads per key head (grouped-query attention)
+    window: int | None = None  # the sliding window, if the layer has one
+
+
 class Slots:
     """Key/value buffers for ``slots`` sequences of at most ``capacity`` positions, one pair per layer, plus
     what the next forward needs to know: where each row's new tokens go.
@@ -64,31 +75,37 @@ class Slots:
       ``targets[b]`` from position 0 (prefill of new requests; causal within each prompt).
     """
 
-    def __init__(self, *, slots: int, capacity: int, layers: list[tuple[int, int, int, torch.device]],
-                 dtype: torch.dtype, device: torch.device, attention: str = "auto") -> None:  # fmt: skip
+    def __init__(self, *, slots: int, capacity: int, layers: list[LayerShape], dtype: torch.dtype,
+                 device: torch.device, attention: str = "auto") -> None:  # fmt: skip
         if attention not in ("auto", "sdpa", "flex"):
             raise EyasError(f"the slot attention is auto, sdpa or flex, got {attention!r}")
         if attention == "auto":  # flex where it compiles to a fused kernel (decoding 1.2x faster: BENCHMARKS.md)
             attention = "flex" if torch.device(device).type == "cuda" else "sdpa"
         self.num_slots, self.capacity, self.attention = slots, capacity, attention
-        # layers[i] = (kv_heads, key_dim, value_dim, device) of decoder layer i: a layer's slots live where it
-        # runs (a device map spreads layers over GPUs); flex reads whole key blocks, so the buffers are rounded
-        # up to one (the positions past the capacity are never visible)
+        # a layer's slots live where it runs (a device map spreads layers over GPUs); flex reads whole key blocks,
+        # so the buffers are rounded up to one (the positions past the capacity are never visible)
+        layers = [LayerShape(*x) for x in layers]
         alloc = -(-capacity // FLEX_BLOCK) * FLEX_BLOCK if attention == "flex" else capacity
-        self.k = [torch.zeros(slots, h, alloc, dk, dtype=dtype, device=at) for h, dk, _, at in layers]
-        self.v = [torch.zeros(slots, h, alloc, dv, dtype=dtype, device=at) for h, _, dv, at in layers]
+        self.k = [torch.zeros(slots, x.kv_heads, alloc, x.key_dim, dtype=dtype, device=x.device) for x in layers]
+        self.v = [torch.zeros(slots, x.kv_heads, alloc, x.value_dim, dtype=dtype, device=x.device) for x in layers]
         self.alloc = alloc
+        self.kinds = sorted({(x.groups, x.window) for x in layers}, key=str)  # the block masks a forward needs
         self.rows = torch.arange(slots, device=device)
         self.layout = "rows"
         self.start = torch.zeros(slots, dtype=torch.long, device=device)  # rows layout: first new position
         # FlexAttention runs where a layer's slots live with the positions (a device map's other GPUs: SDPA)
-        self._flex_everywhere = all(torch.device(at) == self.start.device for *_, at in layers)
+        self._flex_everywhere = all(torch.device(x.device) == self.start.device for x in layers)
         self.keys = capacity  # rows layout: key length attended (>= every query's position + 1; key_length)
         self.targets: torch.Tensor | None = None  # packed layout: the slot of each prompt [B]
         self.prompt_len = 0  # packed layout: Tp
         self._masks: dict[Any, Any] = {}
         self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._pos: torch.Tensor | None = None
+        self.flex_masks: dict[tuple[int, int | None], Any] = {}  # this forward's, by (groups, window): begin()
+
+    def flex_runs(self, new: int) -> bool:
+        """Whether a rows-layout forward of ``new`` tokens a row attends through FlexAttention."""
+        return self.attention == "flex" and new <= FLEX_MAX_NEW and self._flex_everywhere
 
     def key_length(self, n: int, new: int = 1) -> int:
         """The key length a rows-layout forward of ``new`` tokens a row attends when its queries reach position
@@ -99,19 +116,28 @@ class Slots:
         (``TILE_KV_OG`` in torch/_inductor/kernel/flex/templates/flex_decode.py.jinja), so attending the whole
         buffer reads what a shorter length reads, and one graph (and one compiled kernel) serves every position
         instead of one per bucket. Through SDPA, which reads every key it is given, the bucket covering ``n``."""
-        if self.attention == "flex" and new <= FLEX_MAX_NEW and self._flex_everywhere:
+        if self.flex_runs(new):
             return self.alloc
         return key_bucket(n, self.capacity)
 
     @staticmethod
     def bytes_per_token(layers: list[tuple[int, int, int, torch.device]], dtype: torch.dtype) -> int:
         """Key and value bytes one position of one sequence holds over all layers."""
-        return sum(h * (dk + dv) for h, dk, dv, _ in layers) * torch.finfo(dtype).bits // 8
+        return sum(x[0] * (x[1] + x[2]) for x in layers) * torch.finfo(dtype).bits // 8
 
-    def begin(self) -> None:
+    def begin(self, T: int | None = None, S: int | None = None) -> None:
         """Before each forward: masks (and index tensors other devices need) are built once per forward, on
-        first use."""
-        self._masks, self._moved, self._pos = {}, {}, None
+        first use. Given the rows layout's new tokens a row ``T`` and rows ``S`` (default all), the write
+        positions and FlexAttention's block masks are built here, before the first layer: a compiled layer
+        then reads them (:func:`_attention` traced into the layer's compiled code) instead of building them."""
+        self._masks, self._moved, self._pos, self.flex_masks = {}, {}, None, {}
+        if T is None or self.layout != "rows":
+            return
+        S = self.num_slots if S is None else S
+        self._positions(T, S)
+        if self.flex_runs(T):
+            for G, window in self.kinds:
+                self.flex_masks[(G, window)] = self._block_mask(T, window, G if G * T < FLEX_DECODE_ROWS else 1, S)
 
     def _positions(self, T: int, S: int) -> torch.Tensor:
         """rows layout: ``[S, T]`` the slot position each new token of the first ``S`` rows is written to (built
@@ -202,7 +228,34 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention-function interface: ``query [B, H, T, dk]`` and ``key [B, kvh, T, dk]``,
     ``value [B, kvh, T, dv]`` (RoPE applied) of the new tokens -> ``[B, T, H, dv]``. Writes the new keys and
-    values into their slots and attends to the slot's keys (see :class:`Slots`)."""
+    values into their slots and attends to the slot's keys (see :class:`Slots`).
+
+    Inside a compiled decoder layer (:func:`eyas.engine.graphs.compiled_layers`) a decoding or verification
+    forward through FlexAttention is traced into the layer's compiled code: the key/value writes fuse with RoPE
+    and the attention with the projections around it, one region a layer instead of two with the attention
+    between them (about 6 kernels a layer fewer). That code does not depend on the position: the key length is
+    the whole buffer (:meth:`Slots.key_length`), the layer's buffers are attributes of its attention module (so
+    every layer shares one compiled version), and the write positions and block masks were built before the
+    first layer (:meth:`Slots.begin`). Every other forward (prompts, SDPA's key buckets) runs eagerly, a graph
+    break."""
+    slots = _ACTIVE
+    if torch.compiler.is_compiling():
+        G = query.shape[1] // key.shape[1]
+        if (slots is not None and slots.layout == "rows" and kwargs.get("s_aux") is None
+                and (G, sliding_window) in slots.flex_masks and hasattr(module, "_eyas_k")):  # fmt: skip
+            K, V = module._eyas_k, module._eyas_v
+            _write_rows(slots, K, V, key, value)
+            return _flex_rows(flex_attention_fn(), slots.flex_masks[(G, sliding_window)], query, K, V,
+                              scaling=scaling, score_mod=_softcap_score_mod(softcap)), None  # fmt: skip
+    return _eager_attention(module, query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window,
+                            softcap=softcap, **kwargs)  # fmt: skip
+
+
+@torch.compiler.disable  # its Python reads the slots' current layout and key length: a graph break when traced
+def _eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """:func:`_attention` run by Python: any layout, FlexAttention or SDPA."""
     slots = _ACTIVE
     if slots is None:
         raise EyasError("internal: the eyas slot attention ran outside eyas.engine.slots.slot_attention")
@@ -228,30 +281,15 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
         return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
     S, _, T, _ = query.shape  # S <= slots.num_slots: the forward runs over the first S slots
-    rows, pos = slots.on(slots.rows[:S], K.device), slots.on(slots._positions(T, S), K.device)  # [S], [S, T]
-    if slots.num_slots == 1:  # one sequence (eval): a plain copy along the positions, one kernel
-        K.index_copy_(2, pos[0], key.to(K.dtype))
-        V.index_copy_(2, pos[0], value.to(V.dtype))
-    else:
-        K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
-        V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
+    _write_rows(slots, K, V, key, value)
     n = slots.keys
     # decoding and verification (a few new tokens a row) through FlexAttention; a prompt's forward (any length:
     # one compile each) through SDPA
     if slots.attention == "flex" and T <= FLEX_MAX_NEW and K.device == slots.start.device:
-        # The G query heads that share a key head are folded into the query length, as for SDPA below
-        # ([S, H, T, d] -> [S, kvh, G*T, d]): inductor's split-key decoding kernel takes grouped-query attention
-        # only at a power-of-two G (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding) and
-        # otherwise falls back to its prefill kernel, which tiles the one query row a head has into a block of
-        # 128 (SmolLM2, G = 3: 2.4x slower than SDPA per batched step, bench/decode_profile.py --batched).
         fold = G * T < FLEX_DECODE_ROWS
-        block_mask, nf = slots._block_mask(T, sliding_window, G if fold else 1, S)
-        q = query.reshape(S, kvh, G * T, -1) if fold else query
+        masks = slots.flex_masks.get((G, sliding_window)) or slots._block_mask(T, sliding_window, G if fold else 1, S)
         try:
-            out = _flex()(q, K[:S, :, :nf].to(query.dtype), V[:S, :, :nf].to(query.dtype), block_mask=block_mask,
-                          score_mod=_softcap_mod(softcap), scale=scaling,
-                          enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
-            return out.reshape(S, H, T, -1).transpose(1, 2), None
+            return _flex_rows(_flex(), masks, query, K, V, scaling=scaling, score_mod=_softcap_mod(softcap)), None
         except Exception as e:  # a compiler error: the SDPA path from then on, after one note
             import sys
 
@@ -267,6 +305,48 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q, K[:S, :, :n].to(q.dtype), V[:S, :, :n].to(q.dtype), mask=mask, causal=False, scale=scaling, softcap=softcap
     )  # [S, kvh, G*T, dv]
     return out.reshape(S, H, T, -1).transpose(1, 2), None
+
+
+def _write_rows(slots: Slots, K: torch.Tensor, V: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """rows layout: the new keys ``[S, kvh, T, dk]`` and values of the first ``S`` rows into their slots, at the
+    positions :meth:`Slots.begin` built (in place: traced, inductor writes into the buffers, no copy of them)."""
+    S, _, T, _ = key.shape
+    pos = slots.on(slots._positions(T, S), K.device)  # [S, T]
+    if slots.num_slots == 1:  # one sequence (eval): a plain copy along the positions, one kernel
+        K.index_copy_(2, pos[0], key.to(K.dtype))
+        V.index_copy_(2, pos[0], value.to(V.dtype))
+    else:
+        rows = slots.on(slots.rows[:S], K.device)  # [S]
+        K[rows[:, None], :, pos] = key.transpose(1, 2).to(K.dtype)  # [S, T, kvh, dk] into the slots
+        V[rows[:, None], :, pos] = value.transpose(1, 2).to(V.dtype)
+
+
+def _flex_rows(flex, masks, query: torch.Tensor, K: torch.Tensor, V: torch.Tensor, *, scaling: float | None,
+               score_mod) -> torch.Tensor:  # fmt: skip
+    """rows layout through FlexAttention: ``query [S, H, T, dk]`` over the first ``S`` slots of ``K``, ``V``
+    with ``masks`` (:meth:`Slots._block_mask`: the block mask and its key length) -> ``[S, T, H, dv]``.
+
+    The G query heads that share a key head are folded into the query length where the mask was built so
+    (``[S, H, T, d] -> [S, kvh, G*T, d]``, as for SDPA): inductor's split-key decoding kernel takes grouped-query
+    attention only at a power-of-two G (torch/_inductor/kernel/flex/flex_decoding.py, ``_use_flex_decoding``)
+    and otherwise falls back to its prefill kernel, which tiles the one query row a head has into a block of 128
+    (SmolLM2, G = 3: 2.4x slower than SDPA per batched step, bench/decode_profile.py --batched)."""
+    block_mask, nf = masks
+    S, H, T, _ = query.shape
+    kvh = K.shape[1]
+    G = H // kvh
+    fold = block_mask.seq_lengths[0] == G * T and G > 1
+    q = query.reshape(S, kvh, G * T, -1) if fold else query
+    out = flex(q, K[:S, :, :nf].to(query.dtype), V[:S, :, :nf].to(query.dtype), block_mask=block_mask,
+               score_mod=score_mod, scale=scaling, enable_gqa=G > 1 and not fold)  # fmt: skip  # [S, kvh, G*T, dv] / [S, H, T, dv]
+    return out.reshape(S, H, T, -1).transpose(1, 2)
+
+
+def flex_attention_fn():
+    """torch's ``flex_attention`` itself: what a traced forward calls (the layer's compile compiles it)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
 
 
 @functools.cache
@@ -286,11 +366,9 @@ def _flex():
     return torch.compile(flex_attention)
 
 
-@functools.cache
-def _softcap_mod(softcap: float | None):
+def _softcap_score_mod(softcap: float | None):
     """FlexAttention's ``score_mod`` for Gemma-2's ``attn_logit_softcapping`` (``c * tanh(s / c)`` on the scaled
-    scores, as transformers' eager attention does); None without it. One function per cap, so the compiled
-    FlexAttention sees the same ``score_mod`` at every call and compiles once."""
+    scores, as transformers' eager attention does); None without it."""
     if softcap is None:
         return None
 
@@ -298,6 +376,11 @@ def _softcap_mod(softcap: float | None):
         return softcap * torch.tanh(score / softcap)
 
     return score_mod
+
+
+#: :func:`_softcap_score_mod`, one function per cap: the separately compiled FlexAttention of an eager forward
+#: then sees the same ``score_mod`` at every call and compiles once (a traced forward makes its own)
+_softcap_mod = functools.cache(_softcap_score_mod)
 
 
 def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | None) -> torch.Tensor:
@@ -318,8 +401,8 @@ def _sdpa(q, k, v, *, mask, causal: bool, scale: float | None, softcap: float | 
 def _register() -> None:
     from transformers import AttentionInterface
 
-    # never traced by torch.compile: its Python reads the slots' current layout and key length
-    AttentionInterface.register(ATTENTION, torch.compiler.disable(_attention))
+    # traced by torch.compile only where it decodes through FlexAttention (see _attention); eager elsewhere
+    AttentionInterface.register(ATTENTION, _attention)
 
 
 @contextlib.contextmanager
@@ -333,22 +416,32 @@ def slot_attention(model, slots: Slots) -> Iterator[None]:
         raise EyasError(f"{type(model).__name__} does not run its attention through transformers' "
                         "AttentionInterface; the eyas generation engine cannot drive it")  # fmt: skip
     model.set_attn_implementation(ATTENTION)
+    # each attention module holds its own layer's buffers, which a compiled layer reads as inputs: read through
+    # the layer index instead, the index would be a constant of the compiled code, a compile per layer
+    tagged = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
+              and 0 <= m.layer_idx < len(slots.k)]  # fmt: skip
+    for m in tagged:
+        m._eyas_k, m._eyas_v = slots.k[m.layer_idx], slots.v[m.layer_idx]
     _ACTIVE = slots
     try:
         yield
     finally:
         _ACTIVE = None
+        for m in tagged:
+            m.__dict__.pop("_eyas_k", None)
+            m.__dict__.pop("_eyas_v", None)
         model.set_attn_implementation(before)
 
 
-def layer_shapes(model) -> list[tuple[int, int, int, torch.device]]:
-    """``(kv_heads, key_dim, value_dim, device)`` per decoder layer, read off one forward of one token (so every
-    attention variant transformers implements, MLA's wider keys included, is sized by what it really stores,
-    and placed where a device map runs the layer)."""
-    seen: dict[int, tuple[int, int, int, torch.device]] = {}
+def layer_shapes(model) -> list[LayerShape]:
+    """Each decoder layer's :class:`LayerShape`, read off one forward of one token (so every attention variant
+    transformers implements, MLA's wider keys included, is sized by what it really stores, and placed where a
+    device map runs the layer)."""
+    seen: dict[int, LayerShape] = {}
 
     def probe(module, query, key, value, attention_mask, **kwargs):
-        seen[module.layer_idx] = (key.shape[1], key.shape[-1], value.shape[-1], key.device)
+        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1], key.device,
+                                            query.shape[1] // key.shape[1], kwargs.get("sliding_window"))  # fmt: skip
         B, H, T, _ = query.shape
         return query.new_zeros(B, T, H, value.shape[-1]), None
 
