@@ -196,6 +196,7 @@ def test_flex_attention_graphs_equal_sdpa(make_tiny):
         [c.tokens for c in decode_all(model, reqs, attention="sdpa", **kw)]  # fmt: skip
     draft = random_draft(info, seed=0, device="cuda")
     draft.t2d.fill_(True)
+    torch._dynamo.utils.counters.clear()
     r = Runners.build(model, draft, draft_tokens=[3], max_len=600)  # flex: the default on CUDA
     for p in _prompts(3, seed=8):
         s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=3, eos_ids={2})
@@ -204,3 +205,5 @@ def test_flex_attention_graphs_equal_sdpa(make_tiny):
     assert isinstance(r.base.slots, Slots)
     # prompts of up to 200 tokens and 96 new ones cross several of SDPA's key buckets: one key length here
     assert {key[-1] for key in r.base.graphs.graphs} == {r.base.slots.alloc}, list(r.base.graphs.graphs)
+    # the slot attention compiled inside the layers (and the draft whole): nothing broke a compiled region
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
