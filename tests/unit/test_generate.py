@@ -255,6 +255,34 @@ def test_compiled_layers_equal_eager(make_tiny):
     assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block
 
 
+def test_compiled_layers_keep_an_instance_forward(make_tiny):
+    """A forward set on a layer instance (accelerate's device-map hooks put theirs there) runs compiled inside
+    ``compiled_layers`` (the hook still called) and is the layer's forward again after the block."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    slots = Slots(slots=1, capacity=32, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    layer = model.base_model.layers[1]
+    add_hook_to_module(layer, Count())
+    hooked = layer.__dict__["forward"]
+    slots.keys = 32
+    with slot_attention(model, slots), torch.no_grad(), compiled_layers(model):
+        slots.begin(1)
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[0]]), use_cache=False)
+    assert Count.calls == 1 and layer.__dict__["forward"] is hooked
+    assert "forward" not in model.base_model.layers[0].__dict__
+
+
 def test_frozen_layers_fuse_qkv_and_gate_up(make_tiny):
     """``compiled_layers(freeze=True)``: the decoder layers compiled with their weights as constants (inductor's
     freezing) give eager's logits (fp32) through the slot attention, and inductor's output code holds 4 matmuls a

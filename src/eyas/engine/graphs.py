@@ -199,6 +199,9 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     # frozen: a compiled version per layer and shape (a few shapes at batch size 1)
     raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
     name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
+    # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
+    # put back after the block
+    before = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
         if name not in layer.__dict__:
             layer.__dict__[name] = compile_frozen(layer.forward, dynamic=dynamic) if freeze else \
@@ -207,5 +210,8 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        for layer, forward in zip(layers, before):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
