@@ -439,6 +439,13 @@ def test_speculators_offline_layout(make_tiny, tmp_path):
         assert torch.equal(hs["token_ids"], ds[i]["input_ids"])  # speculators' own consistency check
         assert ds[i]["loss_mask"].tolist() == mask and int(ds[i]["seq_len"]) == len(ids)
         torch.testing.assert_close(hs["hidden_states"].float(), reader.states(i), rtol=2**-8, atol=1e-6)
+    # a rerun of the finished command writes nothing again; other features' layout is rewritten
+    mark = (tmp_path / "spec" / "manifest.json").stat().st_mtime_ns
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "f"), dtype="fp8",
+            speculators_out=str(tmp_path / "spec"))  # fmt: skip
+    assert (tmp_path / "spec" / "manifest.json").stat().st_mtime_ns == mark
+    extract(verifier=str(t.path), data=str(prep), out=str(tmp_path / "g"), speculators_out=str(tmp_path / "spec"))
+    assert (tmp_path / "spec" / "manifest.json").stat().st_mtime_ns != mark
 
 
 def test_refusals(make_tiny, tmp_path, monkeypatch):

@@ -517,7 +517,24 @@ def write_speculators(features: str | os.PathLike, *, out: str | os.PathLike) ->
         )
         ds.set_format("torch")
         ds.save_to_disk(str(tmp))
-        write_manifest(tmp, stage=SPECULATORS_STAGE, inputs={"features": str(features)},
+        write_manifest(tmp, stage=SPECULATORS_STAGE, inputs=_speculators_inputs(features),
                        settings={"dtype": str(dtype).removeprefix("torch.")},
                        outputs={"rows": len(reader)})  # fmt: skip
     return out
+
+
+def _speculators_inputs(features: str | os.PathLike) -> dict[str, str]:
+    """What a speculators layout was written from: the features' folder and their manifest's hash (which holds
+    every shard's hash)."""
+    return {"features": str(features), "features_manifest_sha256": sha256_file(Path(features) / MANIFEST)}
+
+
+def speculators_up_to_date(out: str | os.PathLike, *, features: str | os.PathLike) -> bool:
+    """Whether ``out`` holds the speculators layout of exactly these finished ``features`` (a rerun of `eyas
+    extract --speculators-out` then writes nothing)."""
+    if folder_stage(out) != SPECULATORS_STAGE:
+        return False
+    try:
+        return read_manifest(out).get("inputs") == _speculators_inputs(features)
+    except EyasError:
+        return False

@@ -290,7 +290,9 @@ def _extract(d, c: ExtractConfig) -> dict[str, Any]:
             manifest = features.read_features_manifest(out)
             if d.is_main:
                 print(f"{out}: already extracted ({manifest['num_rows']} rows); nothing to do")
-                if c.speculators_out:
+                if c.speculators_out and features.speculators_up_to_date(c.speculators_out, features=out):
+                    print(f"{c.speculators_out}: speculators' layout of these features, up to date")
+                elif c.speculators_out:
                     features.write_speculators(out, out=c.speculators_out)
             return manifest
         d.barrier("start of extraction")
