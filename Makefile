@@ -35,9 +35,11 @@ $(STAMP): pyproject.toml Makefile
 	# The judge of tests/e2e/test_speculators_crosscheck.py: speculators 0.9.0 in a dir of its own beside our CPU
 	# torch (--no-deps: a plain install pulls a CUDA torch), with exactly the pure-Python packages it imports
 	# and the transformers it pins (<=5.19). The tests run it in a subprocess with PYTHONPATH=$(SPECULATORS).
+	# Its trainer's command line (bench/speculators_quality.py --smoke) imports pydantic-settings and httpx too.
 	rm -rf $(SPECULATORS)
 	$(call pip_install,$(PY),$(PIP_RESUME) --no-deps --target $(SPECULATORS) speculators==0.9.0 \
-		hs-connectors==0.9.0 transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3)
+		hs-connectors==0.9.0 transformers==5.19.0 openai==3.57.0 sniffio==1.3.1 loguru==0.7.3 \
+		pydantic-settings==2.16.3 python-dotenv==1.2.4 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0)
 	# Triton, for its interpreter: tests/unit/test_precision.py runs eyas' fused AdamW kernel on CPU tensors in a
 	# child process with this dir on its path (torch itself never imports Triton without a GPU).
 	rm -rf $(VENV)/triton-3.6.0

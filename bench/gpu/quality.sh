@@ -13,6 +13,12 @@
 #   bash bench/gpu/quality.sh run     carry .carry/smol.part01 (first call; later calls carry nothing): joins the
 #                                     GGUF, then `eyas run` for at most $BUDGET seconds. Call again (at once, while
 #                                     the machine is warm) until status.txt says "all stages done".
+#   bash bench/gpu/quality.sh headtohead   once $R holds regenerate's answers (a run with UNTIL=regenerate or
+#                                     later on this warm machine, or seeded with SEED_RUN/SEED_DATA): eyas' trainer
+#                                     against speculators 0.9.0's on a seeded sample of H2H_SAMPLES (default 5000) of
+#                                     those conversations, both drafts measured by eyas eval on MT-Bench
+#                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags) for at most $BUDGET
+#                                     seconds; call again to resume. $OUT/headtohead.json once done.
 # Settings: CONFIG (default configs/smollm2-gpu.toml), SET (more `eyas run --set` overrides, comma-separated:
 # sizes for a smaller run or a CPU dry run), UNTIL (stop after this stage: a call that should not start an eval
 # it cannot finish, since an eval starts over when cut), COMMIT (recorded in the results), BUDGET (seconds of this call), R (the run folder, default /tmp/q),
@@ -30,8 +36,8 @@ D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
 R=${R:-/tmp/q}; BUDGET=${BUDGET:-570}; CONFIG=${CONFIG:-configs/smollm2-gpu.toml}; PY=${PYTHON:-python3}
 case "${1:-}" in
   part0) install_wheels; stash_part0; exit 0 ;;
-  run) ;;
-  *) echo "usage: bash bench/gpu/quality.sh part0|run" >&2; exit 2 ;;
+  run|headtohead) ;;
+  *) echo "usage: bash bench/gpu/quality.sh part0|run|headtohead" >&2; exit 2 ;;
 esac
 [ -n "${GGUF_FILE:-}" ] || join_gguf
 # the named eval sets from the carried files, where eyas looks for a named set's package when it is not installed
@@ -45,6 +51,24 @@ if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an
   tar xzf "$SEED_RUN" -C "$R" ./prompts && cat $SEED_DATA | tar xzf - -C "$R" \
     && echo "seeded $R with the prompts of $SEED_RUN and the answers of $SEED_DATA" | tee -a "$OUT/status.txt" \
     || { echo "could not seed $R from SEED_RUN=$SEED_RUN SEED_DATA=$SEED_DATA" | tee -a "$OUT/status.txt"; exit 1; }
+fi
+if [ "$1" = headtohead ]; then
+  [ -e "$R/regenerated/manifest.json" ] || { echo "no finished regenerate in $R: run \`quality.sh run\` with" \
+    "UNTIL=regenerate first, or seed it (SEED_RUN, SEED_DATA)" | tee -a "$OUT/status.txt"; exit 1; }
+  t0=$SECONDS
+  timeout -k 30 "$BUDGET" $PY bench/speculators_quality.py --verifier "$GGUF" --conversations "$R/regenerated" \
+    --max-samples "${H2H_SAMPLES:-5000}" --out "$R/headtohead" --prompts mt-bench ${H2H_ARGS:-} \
+    > "$R/headtohead.out" 2>> "$R/headtohead.err"
+  rc=$?
+  echo "[headtohead] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/status.txt"
+  tr "\r" "\n" < "$R/headtohead.err" | grep -v "it/s\]$" | tail -n 12 >> "$OUT/status.txt"
+  tail -c 200000 "$R/headtohead/headtohead.log" > "$OUT/headtohead.log" 2>/dev/null
+  case $rc in
+    0) cp "$R/headtohead/headtohead.json" "$OUT/" && echo "head to head done: $OUT/headtohead.json" | tee -a "$OUT/status.txt" ;;
+    124|130|137) echo "cut by the budget: call again to resume" | tee -a "$OUT/status.txt"; exit 0 ;;
+    *) echo "the head to head failed: see headtohead.log" | tee -a "$OUT/status.txt"; exit 1 ;;
+  esac
+  exit 0
 fi
 t0=$SECONDS
 timeout -k 30 "$BUDGET" $PY -m eyas.cli run "$CONFIG" --verifier "$GGUF" --out "$R" --set "$SETS" ${UNTIL:+--until $UNTIL} \

@@ -88,22 +88,20 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
 
 
-def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data="", run="q", **seed):
+def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data="", run="q", sub="run", **seed):
     """``bash bench/gpu/quality.sh run`` as the GPU calls run it, on ``verifier`` at toy sizes."""
     import os
 
     env = {**os.environ, "UNTIL": until, "KEEP_DATA": keep_data, "GGUF_FILE": str(verifier), "DATA": str(data), "OUT": str(out), "R": str(tmp_path / run),
            "BUDGET": str(budget), "SET": sets, "PYTHON": sys.executable, **seed}  # fmt: skip
     out.mkdir(exist_ok=True)
-    return subprocess.run(["bash", str(BENCH / "gpu" / "quality.sh"), "run"], env=env, capture_output=True,
+    return subprocess.run(["bash", str(BENCH / "gpu" / "quality.sh"), sub], env=env, capture_output=True,
                           text=True, timeout=900, cwd=BENCH.parent)  # fmt: skip
 
 
-def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
-    """The GPU suite's logic end to end at toy scale: quality.sh wraps `eyas run configs/smollm2-gpu.toml` (every
-    stage of the recipe: self-written prompts, regenerate, prepare, vocab, online training, export, both evals),
-    with the carried prompt files standing in for the named sets. A call cut by its time limit exits 0 and says
-    to call again; the next call finishes the run; one more skips every stage and gathers the same results."""
+def _quality_data(tmp_path: Path) -> tuple[Path, str]:
+    """The carried prompt files quality.sh reads (4 ShareGPT-style conversations, MT-Bench and HumanEval as
+    installed) and `--set` overrides that make every stage of the recipe a toy."""
     import gzip
 
     from eyas.data.named_sets import named_set_path
@@ -115,7 +113,7 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
             f.write(json.dumps({"id": f"s{i}", "turns": [f"Question {i}: what is {i} plus {i}?", "Why?"]}) + "\n")
     (data / "mt_bench.jsonl").write_bytes(named_set_path("mt-bench").read_bytes())
     (data / "humaneval.jsonl.gz").write_bytes(named_set_path("humaneval").read_bytes())
-    sets = (
+    return data, (
         "prompts.num_prompts=2,prompts.max_new_tokens=12,prompts.max_attempts=100,prompts.min_words=1,"
         "prompts.batch_tokens=2048,"
         "regenerate.max_new_tokens=8,regenerate.max_seq_len=256,regenerate.batch_tokens=1024,"
@@ -123,6 +121,14 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
         "train.max_seq_len=256,train.batch_tokens=512,train.num_workers=0,train.val_ratio=0.2,"
         "eval.0.num_prompts=1,eval.0.max_new_tokens=4,eval.1.num_prompts=1,eval.1.max_new_tokens=4"
     )
+
+
+def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
+    """The GPU suite's logic end to end at toy scale: quality.sh wraps `eyas run configs/smollm2-gpu.toml` (every
+    stage of the recipe: self-written prompts, regenerate, prepare, vocab, online training, export, both evals),
+    with the carried prompt files standing in for the named sets. A call cut by its time limit exits 0 and says
+    to call again; the next call finishes the run; one more skips every stage and gathers the same results."""
+    data, sets = _quality_data(tmp_path)
     verifier = make_tiny("llama").path
     cut = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 2, sets)
     assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
@@ -176,6 +182,24 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     assert json.loads((tmp_path / "out3" / "smollm2-quality.json").read_text())["eval"] == got["eval"]
 
 
+def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
+    """`quality.sh headtohead` on the answers a `quality.sh run` call regenerated: refused before there are any;
+    then bench/speculators_quality.py on them (speculators' dry run on CPU), both drafts measured on MT-Bench."""
+    data, sets = _quality_data(tmp_path)
+    verifier = make_tiny("llama").path
+    h2h = {"H2H_ARGS": f"--speculators-path {speculators_dir} --speculators-dry-run --max-steps 2 --val-ratio 0.3 "
+                       "--epochs 1 --seq-len 256 --max-seq-len 256 --max-new-tokens 4 --num-prompts 1"}  # fmt: skip
+    early = _quality_sh(tmp_path, verifier, data, tmp_path / "out0", 900, sets, sub="headtohead", **h2h)
+    assert early.returncode == 1 and "no finished regenerate" in early.stdout, early.stdout + early.stderr
+    part = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 900, sets, until="regenerate")
+    assert part.returncode == 0, part.stdout + part.stderr
+    done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, sub="headtohead", **h2h)
+    assert done.returncode == 0 and "head to head done" in done.stdout, done.stdout + done.stderr
+    got = json.loads((tmp_path / "out2" / "headtohead.json").read_text())
+    assert got["data"]["rows"] == 6 and got["training"]["speculators_dry_run"] is True  # 4 ShareGPT + 2 its own
+    assert {r["num_prompts"] for r in got["eval"].values()} == {1} and got["eyas_over_speculators"] > 0
+
+
 def test_eval_speedup_smoke(tmp_path):
     """bench/eval_speedup.py (eval's loops against transformers' static-cache generate): the same engine's
     speculative and plain loops agree token for token on a tiny random Llama, and the summary names the
@@ -225,3 +249,22 @@ def test_int4_memory_smoke(tmp_path):
     assert abs(s["plan_bf16_bytes"] / s["bf16_bytes"] - 1) < 0.05
     assert set(s["packed_over_bf16_tokens_per_s"]) == {"extract", "online"} and s["graphs"] is False  # CPU
     assert {"checkpoint_shape", "device", "commit", "decode_tokens_per_s", "kernels_us"} <= set(s)
+
+
+def test_speculators_head_to_head_smoke(tmp_path, speculators_dir):
+    """bench/speculators_quality.py end to end on CPU: the same conversations prepared, vocab, features in both
+    layouts, speculators' own trainer (its dry run: it trains on CUDA only) and eyas' on them, both drafts loaded
+    and measured by eyas eval; run again, every stage finds its output done."""
+    args = [str(BENCH / "speculators_quality.py"), "--smoke", "--out", str(tmp_path / "h2h"),
+            "--speculators-path", str(speculators_dir)]  # fmt: skip
+    (result,) = _json_lines(args, tmp_path)
+    assert result["data"]["rows"] == 24 and result["data"]["feature_tokens"] == result["data"]["tokens"] > 0
+    for name in ("eyas", "speculators"):
+        r = result["eval"][name]
+        assert r["num_turns"] == 2 and r["tau"] >= 1.0 and r["lossless"], (name, r)
+    written = json.loads((tmp_path / "h2h" / "speculators" / "draft" / "config.json").read_text())
+    assert written["speculators_model_type"] == "eagle3" and "speculators_version" in written  # speculators' own save
+    assert set(result["seconds"]) >= {"train speculators", "train eyas", "eval eyas", "eval speculators"}
+    (again,) = _json_lines(args, tmp_path)
+    assert "eval eyas" not in again["seconds"] and again["eval"] == result["eval"]
+    assert "speculators' layout of these features, up to date" in (tmp_path / "h2h" / "headtohead.log").read_text()
