@@ -377,6 +377,51 @@ def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, fr
     assert len(codes) >= (2 * layers if freeze else 2) and (freeze or len(codes) < layers), len(codes)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the eager reference
+def test_flex_decoding_traced_with_symbolic_rows(make_tiny):
+    """regenerate's batched steps: the layers compiled with the row count symbolic (``dynamic=None``) and the
+    slot attention inside, steps over 4, then 3, then 2 of 4 slots (as the busy rows drain) give eager's logits
+    and cache, with no graph break and no compile per row count past the second."""
+    from inductor_code import output_code
+
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+
+    model = build_text_model(resolve(make_tiny("qwen3").path))
+    slots = Slots(slots=4, capacity=160, layers=layer_shapes(model), dtype=torch.float32,
+                  device=torch.device("cpu"), attention="flex")  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for buf in slots.k + slots.v:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    kept = [b.clone() for b in slots.k + slots.v]
+    slots.start = torch.tensor([5, 140, 60, 9])
+    slots.keys = slots.key_length(160)
+
+    def run():
+        first, out = slots.start.clone(), []
+        for R in (4, 3, 2):
+            slots.begin(1, R)
+            ids = (slots.start[:R, None] * 3 + R) % 500 + 3
+            out.append(model(input_ids=ids, position_ids=slots.start[:R, None], use_cache=False).logits)
+            slots.start[:R] += 1
+        slots.start.copy_(first)
+        return out
+
+    with slot_attention(model, slots), torch.no_grad():
+        want = run()
+        want_kv = [b.clone() for b in slots.k + slots.v]
+        for b, k in zip(slots.k + slots.v, kept):
+            b.copy_(k)
+        torch._dynamo.utils.counters.clear()
+        with compiled_layers(model, dynamic=None):
+            got, codes = output_code(run)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for a, b in zip(got + slots.k + slots.v, want + want_kv):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert [c for c in codes if "flex_attention" in c and "index_put" in c]
+    assert len(codes) <= 3, len(codes)  # 4 rows, then symbolic rows (and one more, a transformers guard at most)
+
+
 def test_plain_decode_blocks_equal_greedy_generate(make_tiny):
     """eval's plain loop: the step advances its own token and position on the device and the host reads tokens
     in blocks of `sync_every`; answers equal transformers' generate, cut at an end of turn inside a block and
