@@ -38,9 +38,30 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # --------------------------------------------------------------------------- config fields -> argparse
 
 
+def split_items(s: str) -> list[str]:
+    """``s`` split at its commas, each item stripped, empty ones dropped; a comma inside brackets or quotes does
+    not split, so ``--set 'prompts.topics=["math", "coding"],train.lr=2e-3'`` is two overrides, and
+    ``--topics "creative writing, math"`` two topics."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(s):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+        elif ch == "," and depth == 0:
+            items.append(s[start:i])
+            start = i + 1
+    items.append(s[start:])
+    return [x.strip() for x in items if x.strip()]
+
+
 def _list_of(inner: Any) -> Callable[[str], list]:
     def parse(s: str) -> list:
-        return [inner(x) for x in s.replace(" ", "").split(",") if x]
+        return [inner(x) for x in split_items(s)]
 
     parse.__name__ = f"comma-separated {getattr(inner, '__name__', 'value')}s"
     return parse

@@ -28,6 +28,19 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     return sub.choices[command]
 
 
+def test_comma_separated_flags_keep_the_spaces_inside_an_item():
+    """A list flag splits at commas and strips each item: `--topics "creative writing, math"` is two topics,
+    `--draft-tokens "3, 5"` two numbers."""
+    args = _subparser("prompts").parse_args(["--verifier", "v", "--out", "o", "--topics", "creative writing, math,"])
+    assert args.topics == ["creative writing", "math"]
+    assert _subparser("eval").parse_args(["--verifier", "v", "--draft", "d", "--prompts", "p", "--draft-tokens", " 3, 5"]).draft_tokens \
+        == [3, 5]  # fmt: skip
+    sets = _subparser("run").parse_args(
+        ["c.toml", "--set", 'prompts.topics=["math", "creative writing"],train.lr=2e-3']
+    )
+    assert sets.overrides == ['prompts.topics=["math", "creative writing"]', "train.lr=2e-3"]
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_flags_are_the_config_fields_each_with_help(command, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100000")  # (argparse wraps at hyphens: one line a flag)
@@ -201,8 +214,8 @@ def test_rules_between_fields_refuse_a_section_before_any_stage_runs(tmp_path, s
 #: shape and world size, extract's layer ids): earlier manifests hold these names, so an unchanged command run
 #: again is still up to date. Every other field is marked `recorded=False`: a run control or an input.
 RECORDED = {
-    "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "max_attempts",
-                "seed"},
+    "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "topics",
+                "max_attempts", "seed"},
     "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops", "loop_copies",
                    "repetition_penalty", "seed", "strict"},
     "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow", "loop_tails"},

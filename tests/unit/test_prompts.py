@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from eyas.core.errors import EyasError
 from eyas.data.datasets import load_prompts
 from eyas.data.repetition import find_loop, normalized
 from eyas.stages.prompts import PROMPTS, prompts, unique_in_order, user_turn_prefix, verdict
@@ -94,6 +95,48 @@ def test_tiny_verifier_prompts_resume_and_feed_regenerate(make_tiny, tmp_path):
     r = regenerate(verifier=str(t.path), data=f"{prompts_file},{tmp_path / 'p'}", out=str(tmp_path / "r"),
                    max_new_tokens=6, batch_tokens=2048)  # fmt: skip
     assert r["outputs"]["prompts"] == 1 + len(rows)
+
+
+def test_topics_steer_each_sample_by_its_index(make_tiny, tmp_path, monkeypatch):
+    """--topics: sample i is drawn after the system message of topic i mod n (the engine is asked for exactly
+    that prefix, and draws the same text, by its seed, as a run with that one system message draws for index
+    i), each prompt records its topic as its category, and the manifest counts them; --topics with --system, or
+    a topic named twice, is refused."""
+    from eyas.engine import generate
+    from eyas.stages.prompts import TOPIC_SYSTEM
+
+    asked: dict[int, list[int]] = {}
+
+    class Spy(generate.Request):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            asked[kw["key"]] = kw["tokens"]
+
+    monkeypatch.setattr(generate, "Request", Spy)
+    t = make_tiny("llama")
+    tok = load_tokenizer(resolve(str(t.path)))
+    # more prompts than the random model finishes in 150 samples: both runs draw every one of the 150
+    kw = dict(verifier=str(t.path), num_prompts=60, max_new_tokens=48, min_words=1, batch_tokens=4096,
+              max_attempts=150)  # fmt: skip
+    topics = ["math", "coding", "poems"]
+    m = prompts(**kw, out=str(tmp_path / "t"), topics=topics)
+    rows = [json.loads(x) for x in (tmp_path / "t" / PROMPTS).read_text().split("\n") if x]
+    assert [r["category"] for r in rows] == [topics[int(r["id"].split("-")[1]) % 3] for r in rows]
+    assert m["outputs"]["prompts_by_topic"] == {k: sum(r["category"] == k for r in rows) for k in topics}
+    assert len(m["user_turn_prefix"]) == 3 and all(k in p for k, p in zip(topics, m["user_turn_prefix"]))
+    assert sorted(asked) == list(range(150))
+    for i, ids in asked.items():
+        assert tok.decode(ids) == user_turn_prefix(tok, system=TOPIC_SYSTEM.format(topic=topics[i % 3]))[0], i
+    prompts(**kw, out=str(tmp_path / "one"), system=TOPIC_SYSTEM.format(topic="coding"))
+    by_id = {r["id"]: r["turns"] for r in map(json.loads, (tmp_path / "one" / PROMPTS).read_text().split("\n")[:-1])}
+    coding = [r for r in rows if r["category"] == "coding" and r["id"] in by_id]
+    assert coding and all(by_id[r["id"]] == r["turns"] for r in coding)
+    loaded, _ = load_prompts(str(tmp_path / "t"))
+    assert [p.category for p in loaded] == [r["category"] for r in rows]
+    with pytest.raises(EyasError, match="--topics and --system"):
+        prompts(**kw, out=str(tmp_path / "x"), topics=topics, system="Be brief.")
+    with pytest.raises(EyasError, match="twice"):
+        prompts(**kw, out=str(tmp_path / "x"), topics=["math", "Math"])
 
 
 def test_smollm2_writes_real_prompts(smollm2_path, tmp_path):

@@ -8,6 +8,13 @@ verifier's own template with a marker as the user's message and cuts before the 
 top-p, and stops at the template's end-of-turn token. The samples are decoded by the generation engine
 (:class:`eyas.engine.generate.BatchDecoder`: continuous batching, CUDA graphs), the engine `eyas regenerate` uses.
 
+``--topics`` steers what users ask about, as Magpie's own domain-specific runs do with a system message naming the
+domain: sample ``i`` is drawn after the system message :data:`TOPIC_SYSTEM` with topic ``i mod n`` (math,
+coding, writing, ...), so the prompts cover the kinds of request a draft will be measured on, where undirected
+samples follow whatever the template's default system message invites. The steering system message is not
+kept: each prompt is written with its topic as its ``category``, and `eyas regenerate` answers it as users ask
+it, without that message.
+
 Not every sample is a prompt worth answering: cut at ``--max-new-tokens``, empty, shorter than ``--min-words``,
 repetitive (a loop, or few distinct 4-grams: :mod:`eyas.data.repetition`) and duplicate ones (after normalising case,
 punctuation and spaces) are refused and counted. Rounds of samples continue until ``--num-prompts`` are kept
@@ -42,6 +49,10 @@ __all__ = ["PROMPTS", "prompts", "user_turn_prefix"]
 #: the user message rendered to find where the template starts one (cut before it)
 MARKER = "\u2063eyas-user-turn-marker\u2063"
 
+#: the system message a sample of ``--topics`` is drawn after (Magpie's domain control: a system message naming
+#: the domain before the user-turn prefix, Xu et al. 2024, section 2.3)
+TOPIC_SYSTEM = "You are a helpful AI assistant. The user asks you about {topic}."
+
 
 @dataclass(kw_only=True, frozen=True)
 class PromptsConfig(StageConfig):
@@ -66,6 +77,11 @@ class PromptsConfig(StageConfig):
         None,
         help="a system message to render before the user turn (default: none, so the "
         "template's own default, if it has one, is used).",
+    )
+    topics: list[str] | None = option(
+        None,
+        help="steer the prompts: sample i is drawn after a system message naming topic i mod n (comma-separated, "
+        "e.g. math,coding,writing); each prompt records its topic as its category (default: none).",
     )
     max_attempts: int | None = option(
         None,
@@ -92,6 +108,20 @@ class PromptsConfig(StageConfig):
             raise EyasError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.temperature <= 0:
             raise EyasError(f"--temperature must be above 0 to sample prompts, got {self.temperature}")
+        if self.topics is not None:
+            if self.system is not None:
+                raise EyasError("--topics and --system both set a system message; give one of them")
+            if not self.topics or not all(t.strip() for t in self.topics):
+                raise EyasError(f"--topics needs non-empty topic names, got {self.topics!r}")
+            if len({t.strip().lower() for t in self.topics}) != len(self.topics):
+                raise EyasError(f"--topics names a topic twice: {self.topics!r}")
+
+    def systems(self) -> list[str | None]:
+        """The system message of each topic (sample i draws after ``systems()[i % n]``); ``[--system]`` without
+        topics."""
+        if self.topics is None:
+            return [self.system]
+        return [TOPIC_SYSTEM.format(topic=t.strip()) for t in self.topics]
 
 
 def user_turn_prefix(tok, *, system: str | None = None) -> tuple[str, str]:
@@ -164,11 +194,17 @@ def run(c: PromptsConfig) -> dict[str, Any]:
     info = resolve(c.verifier)
     tok = load_tokenizer(info, trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)
     template = ChatTemplate(tok, where=c.chat_template or str(info.path))
-    prefix, end = user_turn_prefix(tok, system=c.system)
-    prefix_ids = tok(prefix, add_special_tokens=False)["input_ids"]
+    prefixes = [user_turn_prefix(tok, system=system) for system in c.systems()]
+    ends = {end for _, end in prefixes}
+    if len(ends) != 1:
+        raise EyasError(f"the chat template ends a user turn differently after different system messages: {ends}")
+    (end,) = ends
+    prefix_ids = [tok(prefix, add_special_tokens=False)["input_ids"] for prefix, _ in prefixes]
     max_attempts = c.max_attempts or 4 * c.num_prompts
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256}
     settings = recorded_settings(c, max_attempts=max_attempts, dtype=str(dt).removeprefix("torch."))
+    if c.topics is None:  # recorded only when set: outputs written before the option stay up to date
+        settings.pop("topics")
     out_dir = Path(c.out)
     with StageOutput(out_dir, stage="prompts") as output:
         finished = output.up_to_date(inputs=inputs, settings=settings, files=(PROMPTS,))
@@ -193,7 +229,8 @@ def run(c: PromptsConfig) -> dict[str, Any]:
             if kept >= c.num_prompts and not missing or attempt >= max_attempts and not missing:
                 break
             if decoder is None:
-                decoder = _decoder(c, info, tok, dev, dt, end=end, max_len=len(prefix_ids) + c.max_new_tokens)
+                longest = max(len(ids) for ids in prefix_ids)
+                decoder = _decoder(c, info, tok, dev, dt, end=end, max_len=longest + c.max_new_tokens)
             # a round: what is still needed over the share of samples kept so far (at least a tenth)
             rate = max(kept / attempt, 0.1) if attempt else 0.8  # (SmolLM2 kept 9 of its first 9)
             n = 0 if kept >= c.num_prompts else min(max_attempts - attempt,
@@ -207,15 +244,23 @@ def run(c: PromptsConfig) -> dict[str, Any]:
         order, counts = unique_in_order(entries)
         with atomic_path(out_dir / PROMPTS) as tmp, open(tmp, "w", encoding="utf-8") as f:
             written = 0
+            by_topic: dict[str, int] = {}
             for i in order[: c.num_prompts]:
-                f.write(json.dumps({"id": f"self-{i}", "turns": [entries[i]["text"]]}, ensure_ascii=False) + "\n")
+                row = {"id": f"self-{i}", "turns": [entries[i]["text"]]}
+                if c.topics:
+                    row["category"] = topic = c.topics[i % len(c.topics)].strip()
+                    by_topic[topic] = by_topic.get(topic, 0) + 1
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 written += 1
         if written == 0:
             raise EyasError(f"the verifier wrote no usable prompt in {len(entries)} samples ({counts}); try another "
                             "--temperature or --system")  # fmt: skip
         outputs = {"prompts": written, "samples": len(entries), "refused": {k: v for k, v in counts.items()
                                                                            if k != "kept"}}  # fmt: skip
-        m = output.finish(outputs=outputs, verifier_path=str(info.path), user_turn_prefix=prefix,
+        if c.topics:
+            outputs["prompts_by_topic"] = by_topic
+        m = output.finish(outputs=outputs, verifier_path=str(info.path),
+                          user_turn_prefix=prefixes[0][0] if len(prefixes) == 1 else [p for p, _ in prefixes],
                           timing={"seconds": round(seconds, 2), "new_tokens": new_tokens,
                                   "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)})  # fmt: skip
         journal.unlink(missing_ok=True)
@@ -223,6 +268,7 @@ def run(c: PromptsConfig) -> dict[str, Any]:
             parts.rmdir()
         print(f"prompts: {written:,} prompts written by the verifier from {len(entries):,} samples -> "
               f"{out_dir / PROMPTS}\n  refused: {outputs['refused'] or 'none'}\n"
+              + (f"  by topic: {by_topic}\n" if c.topics else "") +
               f"  next: eyas regenerate --data {out_dir} (or a mix: --data sharegpt,{out_dir}) ...")  # fmt: skip
         return m
 
@@ -242,15 +288,15 @@ def _decoder(c: PromptsConfig, info, tok, dev, dt, *, end: str, max_len: int):
                         temperature=c.temperature, top_p=c.top_p, pad_id=pad)  # fmt: skip
 
 
-def _round(decoder, tok, prefix_ids: list[int], attempts: list[int], *, journal: Path, min_words: int, seed: int,
-           max_new_tokens: int, done: int, total: int) -> int:  # fmt: skip
-    """Samples ``attempts`` (each seeded by its index), judged and journaled as they come back: the tokens
-    decoded."""
+def _round(decoder, tok, prefix_ids: list[list[int]], attempts: list[int], *, journal: Path, min_words: int,
+           seed: int, max_new_tokens: int, done: int, total: int) -> int:  # fmt: skip
+    """Samples ``attempts`` (each seeded by its index, sample ``i`` drawn after ``prefix_ids[i % n]``), judged
+    and journaled as they come back: the tokens decoded."""
     from tqdm.auto import tqdm
 
     from eyas.engine.generate import Request, RequestQueue
 
-    queue = RequestQueue(Request(key=i, tokens=prefix_ids, max_new_tokens=max_new_tokens,
+    queue = RequestQueue(Request(key=i, tokens=prefix_ids[i % len(prefix_ids)], max_new_tokens=max_new_tokens,
                                  seed=seed * 1_000_003 + i) for i in attempts)  # fmt: skip
     tokens = 0
     with Journal(journal) as f, tqdm(total=total, initial=done, desc="prompts", unit="prompt", file=sys.stderr,
