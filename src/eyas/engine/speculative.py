@@ -87,7 +87,7 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
 class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
-    Its fixed shapes (catching up 1..K+1 positions after a round, one drafting step) are CUDA graphs on CUDA
+    Its fixed shapes (catching up the K + 1 positions a round fed, one drafting step) are CUDA graphs on CUDA
     (:class:`eyas.engine.graphs.Graphs`); a prompt's catch-up of any length runs eagerly. With ``compile``, those
     fixed-shape forwards run through ``torch.compile`` (static shapes): at batch 1 a draft forward is about 120
     small kernels eagerly (embedding, RoPE, norms, the cache write and mask, the MLP, the head), three a round,
@@ -137,26 +137,36 @@ class DraftRunner:
         return self._rounds[key]
 
     def _forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                 fuse: bool = False):  # fmt: skip
-        """One draft forward over the cache -> the logits ``[N]`` at the last position and its ``next_hidden``
-        ``[1, 1, H]``; with ``fuse``, ``hidden`` is the verifier's aux states ``[1, T, 3H]``, fused first."""
+                 fuse: bool = False, at: torch.Tensor | None = None):  # fmt: skip
+        """One draft forward over the cache -> the logits ``[N]`` at the last position (at index ``at [1]``, a
+        device tensor, when given) and its ``next_hidden`` ``[1, 1, H]``; with ``fuse``, ``hidden`` is the
+        verifier's aux states ``[1, T, 3H]``, fused first."""
         if fuse:
             hidden = self.draft.fuse(hidden)
         normed, next_hidden = self.draft.step(input_ids, hidden, position_ids, self.cache)
-        return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
+        if at is None:
+            return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
+        return self.draft.compute_logits(normed.index_select(1, at)[:, 0])[0].float(), next_hidden.index_select(1, at)
 
-    def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fuse: bool = False):
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        fuse: bool = False,
+        at: torch.Tensor | None = None,
+    ):
         """:meth:`_forward` at a fixed shape: compiled with ``compile`` (eager from the first time compiling fails,
         after one note; the graphs run it twice eagerly before recording, so a failure comes before a capture)."""
         if self._compiled is not None:
             try:
-                return self._compiled(input_ids, hidden, position_ids, fuse)
+                return self._compiled(input_ids, hidden, position_ids, fuse, at)
             except Exception as e:  # a compiler error on some machine: correct, if slower, without it
                 import sys
 
                 self._compiled = None
                 print(f"eyas: the draft's forward without torch.compile ({brief(e)})", file=sys.stderr)
-        return self._forward(input_ids, hidden, position_ids, fuse)
+        return self._forward(input_ids, hidden, position_ids, fuse, at)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
@@ -181,6 +191,26 @@ class DraftRunner:
         if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
             return self._graphed("catch_up", (next_ids[None], aux, pos), lambda *x: self._run(*x, fuse=True))
         return self._forward(next_ids[None], aux, pos, fuse=True)  # a prompt's length varies: eager
+
+    @torch.no_grad()
+    def catch_up_round(self, fed: torch.Tensor, aux: torch.Tensor, start: int, accepted: torch.Tensor):
+        """After a round, the ``K + 1`` positions the verifier fed from ``start``, whatever was accepted: ``fed
+        [K+1]`` the token each position reads (the accepted drafts, then the verifier's next token at index
+        ``accepted``; past it, any), ``aux [K+1, 3H]`` the verifier's states there. Returns the draft logits
+        ``[N]`` and ``next_hidden [1, 1, H]`` at index ``accepted [1]`` (a device tensor: no host sync).
+
+        One shape a round, as vLLM's padded drafter and :class:`GreedyRounds` run it: one compiled version and
+        one graph instead of one per accepted count (K + 1 of each to compile and record before eval's loops
+        run at speed). The positions past the accepted ones get garbage that the next round's drafting steps
+        overwrite before a query at or after them reads them."""
+        T = fed.shape[0]
+        pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
+        aux = aux[None].to(self.dtype)  # [1, T, 3H]
+        at = accepted.reshape(1)
+        if T <= self.graph_max_tokens and self.graphs.enabled:
+            return self._graphed("catch_up_round", (fed[None], aux, pos, at),
+                                 lambda ids, h, p, i: self._run(ids, h, p, fuse=True, at=i))  # fmt: skip
+        return self._forward(fed[None], aux, pos, fuse=True, at=at)
 
     def _chain(self, logits: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
         drafted = [self.to_target[logits.argmax(-1, keepdim=True)]]  # [1] target ids
@@ -347,8 +377,9 @@ def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list
         a, done = _account(out, host, max_new_tokens, eos_ids)
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
         last = nxt
-        if not done:
-            d_logits, hidden = draft.catch_up(torch.cat([proposal[:a], nxt]), aux[: a + 1], m)
+        if not done:  # over all K + 1 fed positions: position m + j reads token x_{m+j+1}, next at `accepted`
+            fed = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)
+            d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
         m += a + 1
     return out
 

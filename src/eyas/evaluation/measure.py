@@ -96,8 +96,8 @@ class Runners:
         Ks = sorted(set(draft_tokens))
         kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention, freeze=freeze)
         compile_draft = compile and cuda_graphs and draft.fc.weight.device.type == "cuda"
-        # the draft compiles a shape per catch-up length (1..K+1) and its drafting step
-        freeze_draft = freeze if freeze is not None else freeze_fits(draft.layers, shapes=max(Ks) + 2)
+        # the draft compiles a shape per K's catch-up (its K + 1 fed positions) and its drafting step
+        freeze_draft = freeze if freeze is not None else freeze_fits(draft.layers, shapes=len(Ks) + 1)
         r = cls(
             spec=SequenceDecoder(model, aux_layer_ids=draft.config.aux_layer_ids, graph_lengths=[K + 1 for K in Ks],
                                  **kw),  # fmt: skip
@@ -114,8 +114,9 @@ class Runners:
     @torch.no_grad()
     def _warm_up(self) -> None:
         """Record every graph the timed loops can replay, outside the timing: the plain (greedy) step and each
-        verification length at every key-length bucket up to the capacity, the draft's catch-ups over 1..K+1
-        positions, its drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's round at
+        verification length at every key-length bucket up to the capacity (through FlexAttention one key length
+        serves them all: the rest replay), each K's catch-up over the K + 1 positions a round feeds, the draft's
+        drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's round at
         every bucket. (Eager decoding, as on CPU, has nothing to prepare.)"""
         from eyas.engine.slots import KEY_BUCKETS
 
@@ -132,8 +133,9 @@ class Runners:
                 _, aux = self.spec.forward(ids[: K + 1], end - K - 1)
         # fused rounds run up to three rounds past the last position while their graphs are recorded
         self.draft.reset(cap + (4 * (Kmax + 1) if self.fused_rounds else 0))
-        for T in range(1, Kmax + 2):
-            logits, hidden = self.draft.catch_up(ids[:T], aux[:1].expand(T, -1), 0)
+        at = torch.zeros(1, dtype=torch.long, device=ids.device)
+        for K in self.draft_tokens:
+            logits, hidden = self.draft.catch_up_round(ids[: K + 1], aux[:1].expand(K + 1, -1), 0, at)
         self.draft.step(ids[:1], hidden, Kmax + 1)
         for K in self.draft_tokens:
             self.draft.propose(logits, hidden, Kmax + 1, K)
