@@ -305,3 +305,23 @@ def test_repetition_penalty_changes_answers_and_is_recorded(make_tiny, source, t
     assert plain["outputs"]["loops"] >= 0 and "dropped_answers" in pen["outputs"]
     with pytest.raises(EyasError, match="--repetition-penalty"):
         regenerate(**kw, out=str(tmp_path / "c"), repetition_penalty=1.2, server="http://127.0.0.1:1/v1")
+
+
+def test_prompts_encoded_in_batches_equal_one_by_one(smollm2_path):
+    """encode_prompts (regenerate's first turns, tokenized in batches) gives what encode_prompt gives each
+    conversation, for SmolLM2's template over one- and three-message conversations, across chunk boundaries."""
+    from eyas.data.chat import encode_prompt, encode_prompts
+    from eyas.verifier.load import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve(str(smollm2_path)))
+    convs = [[{"role": "user", "content": f"Question {i}: why is the sky blue? " * (i % 4 + 1)}] for i in range(5)]
+    convs += [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi, café ☕"},
+            {"role": "assistant", "content": "Hello!\n\n```py\nprint(1)\n```"},
+            {"role": "user", "content": "More"},
+        ]
+    ]
+    assert encode_prompts(tok, convs, chunk=4) == [encode_prompt(tok, m) for m in convs]
+    assert encode_prompts(tok, []) == []

@@ -360,8 +360,8 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
     new_tokens, t0 = 0, time.perf_counter()
     with tqdm(total=total, initial=done, desc=desc, unit="conv", file=sys.stderr, dynamic_ncols=True,
               disable=not show) as bar:  # fmt: skip
-        for i in todo:  # remaining=: the turns still to come after this one (the longest chains start first)
-            backend.submit(i, 0, _conversation(prompts[i], []), remaining=last[i])
+        # remaining=: the turns still to come after this one (the longest chains start first)
+        backend.submit_many([(i, 0, _conversation(prompts[i], []), last[i]) for i in todo])
         for i, a in backend.results():
             c, said = counts[i], answers[i]
             c["new_tokens"] += a.tokens
@@ -457,9 +457,20 @@ class LocalBackend:
 
     def submit(self, i: int, turn: int, messages: list[dict[str, str]], *, remaining: int = 0) -> None:
         from eyas.data.chat import encode_prompt
+
+        self._push(i, turn, encode_prompt(self.tok, messages), remaining)
+
+    def submit_many(self, items: list[tuple[int, int, list[dict[str, str]], int]]) -> None:
+        """:meth:`submit` of each ``(i, turn, messages, remaining)``, tokenized in batches (the first turns of
+        every prompt, submitted at once before the first step)."""
+        from eyas.data.chat import encode_prompts
+
+        for (i, turn, _, remaining), ids in zip(items, encode_prompts(self.tok, [m for _, _, m, _ in items])):
+            self._push(i, turn, ids, remaining)
+
+    def _push(self, i: int, turn: int, ids: list[int], remaining: int) -> None:
         from eyas.engine.generate import Request
 
-        ids = encode_prompt(self.tok, messages)
         if len(ids) + self.max_new_tokens > self.max_seq_len:
             self._early.append((i, Answer(None, False, 0)))
             return
@@ -493,6 +504,10 @@ class ServerBackend:
 
     def submit(self, i: int, turn: int, messages: list[dict[str, str]], *, remaining: int = 0) -> None:
         self.pending[self.pool.submit(self.server.complete, messages)] = i
+
+    def submit_many(self, items: list[tuple[int, int, list[dict[str, str]], int]]) -> None:
+        for i, turn, messages, remaining in items:
+            self.submit(i, turn, messages, remaining=remaining)
 
     def report(self) -> dict[str, Any]:
         return {}
