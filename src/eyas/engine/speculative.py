@@ -220,12 +220,16 @@ class DraftRunner:
         return torch.cat(drafted)
 
     @torch.no_grad()
-    def propose(self, logits: torch.Tensor, hidden: torch.Tensor, position: int, K: int) -> torch.Tensor:
+    def propose(self, logits: torch.Tensor, hidden: torch.Tensor, position: int | torch.Tensor,
+                K: int) -> torch.Tensor:  # fmt: skip
         """Greedy drafting: ``K`` target ids ``[K]`` from the draft ``logits [N]`` of the last position and its
-        ``next_hidden``, the steps after the first fed at ``position, position + 1, ..``. The K - 1 steps, the
-        argmax and the vocab map are one CUDA graph (the same kernels as :meth:`step` K - 1 times, launched
-        once)."""
-        pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
+        ``next_hidden``, the steps after the first fed at ``position, position + 1, ..`` (an int, or a device
+        tensor of one element: a position the host does not know yet). The K - 1 steps, the argmax and the vocab
+        map are one CUDA graph (the same kernels as :meth:`step` K - 1 times, launched once)."""
+        if isinstance(position, torch.Tensor):
+            pos = position.reshape(1, 1).to(torch.long)
+        else:
+            pos = torch.full((1, 1), position, device=self.device, dtype=torch.long)
         if not self.graphs.enabled:
             return self._chain(logits, hidden.reshape(1, 1, -1), pos, K)
         key = ("chain", K)
@@ -333,8 +337,9 @@ def speculative_generate(verifier: SequenceDecoder, draft: DraftRunner, prompt_i
     _sync(dev)
     t0 = time.perf_counter()
     _check_room(verifier, len(prompt_ids) + max_new_tokens + draft_tokens + 1)
-    # fused rounds: recording a round's graph runs it three times, each past the last (see GreedyRounds)
-    draft.reset(len(prompt_ids) + max_new_tokens + draft_tokens + 1 + (3 * (draft_tokens + 1) if fused else 0))
+    # fused rounds: recording a round's graph runs it three times, each past the last (see GreedyRounds); greedy
+    # rounds by parts draft once more past the last round (_greedy)
+    draft.reset(len(prompt_ids) + max_new_tokens + 2 * draft_tokens + 1 + (3 * (draft_tokens + 1) if fused else 0))
     with verifier.session():  # the verifier's attention switched once for the turn, not per forward
         if fused and temperature == 0:
             out = _greedy_rounds(verifier, draft, prompt_ids, max_new_tokens=max_new_tokens, K=draft_tokens,
@@ -354,25 +359,22 @@ def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list
                                                         eos_ids=eos_ids, temperature=temperature,
                                                         generator=generator)  # fmt: skip
     m = len(prompt_ids)  # position of `last`
+    if temperature == 0:
+        return _greedy(verifier, draft, out, done, last, d_logits, hidden, m, max_new_tokens=max_new_tokens, K=K,
+                       eos_ids=eos_ids)  # fmt: skip
     while not done:
-        if temperature == 0:  # the K drafting steps, argmax and vocab map included, as one graph
-            proposal = draft.propose(d_logits, hidden, m, K)  # [K] target ids
-        else:
-            drafted, q = [], []
-            for j in range(K):
-                if j:
-                    d_logits, hidden = draft.step(drafted[-1], hidden, m - 1 + j)
-                probs = torch.softmax(d_logits / temperature, -1)  # [N] over the draft vocab
-                drafted.append(draft.to_target[torch.multinomial(probs, 1, generator=generator)])
-                q.append(torch.zeros_like(logits[-1]).index_copy_(0, draft.to_target, probs))  # [V], 0 off-vocab
-            proposal = torch.cat(drafted)  # [K] target ids
+        drafted, q = [], []
+        for j in range(K):
+            if j:
+                d_logits, hidden = draft.step(drafted[-1], hidden, m - 1 + j)
+            probs = torch.softmax(d_logits / temperature, -1)  # [N] over the draft vocab
+            drafted.append(draft.to_target[torch.multinomial(probs, 1, generator=generator)])
+            q.append(torch.zeros_like(logits[-1]).index_copy_(0, draft.to_target, probs))  # [V], 0 off-vocab
+        proposal = torch.cat(drafted)  # [K] target ids
         # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
         logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
-        if temperature == 0:
-            accepted, nxt = verify_greedy(logits[None], proposal[None])
-        else:
-            accepted, nxt = verify_sampled(torch.softmax(logits / temperature, -1)[None], torch.stack(q)[None],
-                                           proposal[None], generator=generator)  # fmt: skip
+        accepted, nxt = verify_sampled(torch.softmax(logits / temperature, -1)[None], torch.stack(q)[None],
+                                       proposal[None], generator=generator)  # fmt: skip
         host = torch.cat([accepted, nxt, proposal]).tolist()  # the round's one device->host sync
         a, done = _account(out, host, max_new_tokens, eos_ids)
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
@@ -382,6 +384,53 @@ def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list
             d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
         m += a + 1
     return out
+
+
+def _greedy(verifier: SequenceDecoder, draft: DraftRunner, out: Generation, done: bool, last: torch.Tensor,
+            d_logits: torch.Tensor, hidden: torch.Tensor, m: int, *, max_new_tokens: int, K: int,
+            eos_ids: set[int]) -> Generation:  # fmt: skip
+    """Greedy rounds by parts, each round's draft work queued before the host reads the round's outcome.
+
+    After the verify forward and the acceptance, the outcome ``[accepted, next, proposal]`` is copied to the host
+    behind an event (:class:`_Readback`), and the draft's catch-up over the K + 1 fed positions and the next
+    round's K drafting steps (at a position on the device, ``m + accepted + 1``) are queued behind it; the host
+    then waits for the copy alone, and does its accounting while the GPU runs the draft. The round's one sync no
+    longer leaves the GPU idle while the host reads, counts, and launches the next draft's graphs. The last
+    round's next drafts are never used (the draft cache is sized for them: :func:`speculative_generate`)."""
+    proposal = draft.propose(d_logits, hidden, m, K) if not done else None  # [K] target ids
+    while not done:
+        # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
+        logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
+        accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
+        outcome = _Readback(torch.cat([accepted, nxt, proposal]))
+        draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
+        fed = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)  # position m + j reads x_{m+j+1}
+        d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
+        upcoming = draft.propose(d_logits, hidden, accepted + (m + 1), K)
+        a, done = _account(out, outcome.get(), max_new_tokens, eos_ids)  # the round's one sync
+        last, proposal = nxt, upcoming
+        m += a + 1
+    return out
+
+
+class _Readback:
+    """A device tensor's values for the host, without waiting for work queued after it: copied into pinned host
+    memory (``non_blocking``) with an event recorded behind the copy; :meth:`get` waits for that event only."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 def _prompt(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list[int], *, max_new_tokens: int,

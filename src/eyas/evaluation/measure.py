@@ -131,8 +131,9 @@ class Runners:
                 pass
             for K in self.draft_tokens:
                 _, aux = self.spec.forward(ids[: K + 1], end - K - 1)
-        # fused rounds run up to three rounds past the last position while their graphs are recorded
-        self.draft.reset(cap + (4 * (Kmax + 1) if self.fused_rounds else 0))
+        # fused rounds run up to three rounds past the last position while their graphs are recorded; rounds by
+        # parts draft K more past the last round (speculative._greedy): one allocation for every turn to come
+        self.draft.reset(cap + Kmax + (4 * (Kmax + 1) if self.fused_rounds else 0))
         at = torch.zeros(1, dtype=torch.long, device=ids.device)
         for K in self.draft_tokens:
             logits, hidden = self.draft.catch_up_round(ids[: K + 1], aux[:1].expand(K + 1, -1), 0, at)
