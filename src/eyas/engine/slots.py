@@ -245,7 +245,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                 and (G, sliding_window) in slots.flex_masks and hasattr(module, "_eyas_k")):  # fmt: skip
             K, V = module._eyas_k, module._eyas_v
             _write_rows(slots, K, V, key, value)
-            return _flex_rows(flex_attention_fn(), slots.flex_masks[(G, sliding_window)], query, K, V,
+            return _flex_rows(_flex_traced(), slots.flex_masks[(G, sliding_window)], query, K, V,
                               scaling=scaling, score_mod=_softcap_score_mod(softcap)), None  # fmt: skip
     return _eager_attention(module, query, key, value, attention_mask, scaling=scaling, sliding_window=sliding_window,
                             softcap=softcap, **kwargs)  # fmt: skip
@@ -342,7 +342,7 @@ def _flex_rows(flex, masks, query: torch.Tensor, K: torch.Tensor, V: torch.Tenso
     return out.reshape(S, H, T, -1).transpose(1, 2)
 
 
-def flex_attention_fn():
+def _flex_traced():
     """torch's ``flex_attention`` itself: what a traced forward calls (the layer's compile compiles it)."""
     from torch.nn.attention.flex_attention import flex_attention
 
