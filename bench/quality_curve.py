@@ -44,6 +44,8 @@ def point(results: dict, note: str) -> dict:
         "max_turns": regen.get("max_turns"),
         "max_new_tokens": regen.get("max_new_tokens"),
         "loop_policy": regen.get("loop_policy"),
+        "loop_copies": regen.get("loop_copies", 1),
+        "topics": (results.get("prompts") or {}).get("topics"),
         "new_tokens": regen.get("new_tokens"),
         "regenerate_tokens_per_s": regen.get("new_tokens_per_s"),
         "masked_tokens": prep.get("masked_tokens"),

@@ -60,7 +60,7 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> d
     if selfp:
         result["prompts"] = {
             **{
-                k: selfp["settings"].get(k) for k in ("num_prompts", "temperature", "top_p", "max_new_tokens")
+                k: selfp["settings"].get(k) for k in ("num_prompts", "temperature", "top_p", "max_new_tokens", "topics")
             },  # fmt: skip
             **selfp["outputs"],
             **selfp.get("timing", {}),
@@ -73,6 +73,7 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> d
             },  # fmt: skip
             "data": regen["inputs"]["data"]["source"],
             "loop_policy": regen["settings"].get("loops"),
+            "loop_copies": regen["settings"].get("loop_copies", 1),  # recorded only when set
             "repetition_penalty": regen["settings"].get("repetition_penalty"),
             **{
                 k: o.get(k)
