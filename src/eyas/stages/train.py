@@ -37,7 +37,7 @@ from eyas.core.validate import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEQ_LEN, SHARE, 
 from eyas.training.loss import CHUNK_TOKENS, TargetHead
 from eyas.training.precision import use_working_weights
 from eyas.training.log import METRICS, PLOT, accuracy_measure, plot_curves, print_summary
-from eyas.training.trainer import CHECKPOINTS, Trainer, compile_draft, save_output
+from eyas.training.trainer import BEST, CHECKPOINTS, Trainer, compile_draft, save_output
 
 STAGE = "train"
 
@@ -511,6 +511,11 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
                 print(f"  over {val['covers']['what']}")
             print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
                   f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
+            if result.get("best"):
+                b = result["best"]
+                print(f"the best validation tau, {b['tau']:.3f}, was at step {b['step']} (epoch {b['epoch'] + 1}): "
+                      f"that draft is in {out / BEST}" + (" (the same as the last)" if b["step"] == result["steps"]
+                                                          else ""))  # fmt: skip
         d.barrier("end of training")
         return result
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +34,11 @@ from eyas.training.precision import FusedAdamW, begin_deferred_wgrad, refresh_wo
 from eyas.training.log import Meter, RunLog, flat_metrics
 
 CHECKPOINTS = "checkpoints"
+#: the draft of the validation with the highest tau, beside the last one (the stage's output): peers' drafts peak
+#: after a few epochs (one Qwen3-4B run: best at 4.6 epochs, lower by 10; DESIGN.md), speculators keeps its
+#: `checkpoint_best` likewise
+BEST = "best"
+BEST_FILE = "best.json"
 STATE_FILE = "trainer_state.pt"
 STATE_FORMAT = "eyas-train-state/1"
 
@@ -203,6 +209,8 @@ class Trainer:
         self.timings: list[dict[str, float]] = []
         self.last_train: dict[str, Any] | None = None
         self.last_val: dict[str, Any] | None = None
+        self.val_step = -1  # the step last validated at
+        self.best: dict[str, Any] | None = None  # {"step", "epoch", "tau"} of the draft in OUT/best
 
     # ------------------------------------------------------------------ setup
 
@@ -375,6 +383,12 @@ class Trainer:
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         self._check({"finite": bool(finite)})
         msd, osd = self._state()
+        # a validation since the last checkpoint with a higher tau than any before: this checkpoint's draft is
+        # the best one
+        fresh = self.last_val is not None and self.val_step == self.global_step
+        better = fresh and (self.best is None or self.last_val["tau"] > self.best["tau"])
+        if better:
+            self.best = {"step": self.global_step, "epoch": self.epoch, "tau": self.last_val["tau"]}
         if not self.d.is_main:
             self.saved_step = self.global_step
             self.d.barrier("checkpoint")
@@ -390,7 +404,15 @@ class Trainer:
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else torch.zeros(0, dtype=torch.uint8),
             # what the manifest reports: a run killed after its last checkpoint resumes with nothing left to do
-            "metrics": json.dumps({"train": self.last_train, "val": self.last_val, "rates": self.rates}),
+            "metrics": json.dumps(
+                {
+                    "train": self.last_train,
+                    "val": self.last_val,
+                    "rates": self.rates,
+                    "val_step": self.val_step,
+                    "best": self.best,
+                }
+            ),
         }
         self.saved_step = self.global_step
         path = self.out / CHECKPOINTS / f"step-{self.global_step:08d}"
@@ -410,9 +432,25 @@ class Trainer:
                             + (f"the newest complete checkpoint, {kept[-1].name}, is kept: " if kept else "")
                             + "free space (or lower --keep-checkpoints) and rerun the same command to resume"
                             ) from e  # fmt: skip
+        if better:
+            self._keep_best(path)
         for old in checkpoint_dirs(self.out)[: -max(1, self.c.keep_checkpoints)]:
             shutil.rmtree(old)
         self.d.barrier("checkpoint")
+
+    def _keep_best(self, checkpoint: Path) -> None:
+        """OUT/best becomes the draft of ``checkpoint`` (hard links to its files, so it costs no copy and outlives
+        the checkpoint's removal) with ``best.json`` saying which step and tau it is."""
+        from eyas.core.files import atomic_path
+
+        with atomic_path(self.out / BEST, is_dir=True) as tmp:
+            for f in checkpoint.iterdir():
+                if f.is_file() and f.name != STATE_FILE:
+                    try:
+                        os.link(f, tmp / f.name)
+                    except OSError:  # a filesystem without hard links
+                        shutil.copy2(f, tmp / f.name)
+            (tmp / BEST_FILE).write_text(json.dumps(self.best))
 
     def resume(self) -> Path | None:
         """Load the newest checkpoint, if any (every rank reads it)."""
@@ -438,11 +476,24 @@ class Trainer:
         self.saved_step = self.global_step
         metrics = json.loads(state.get("metrics") or "{}")  # (checkpoints from before it was kept: none)
         self.last_train, self.last_val = metrics.get("train"), metrics.get("val")
+        self.val_step, self.best = metrics.get("val_step", -1), metrics.get("best")
+        if self.d.is_main and self.best is not None and self._best_on_disk() != self.best["step"]:
+            # killed between the checkpoint and OUT/best: link it now (it is the newest checkpoint, so kept)
+            kept = self.out / CHECKPOINTS / f"step-{self.best['step']:08d}"
+            if kept.is_dir():
+                self._keep_best(kept)
         self.rates = [tuple(r) for r in metrics.get("rates", [])]
         torch.set_rng_state(state["rng"])
         if self.cuda and state["cuda_rng"].numel():
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         return path
+
+    def _best_on_disk(self) -> int | None:
+        """The step of the draft OUT/best holds, if any."""
+        try:
+            return json.loads((self.out / BEST / BEST_FILE).read_text())["step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def final_state(self) -> dict[str, torch.Tensor]:
         return _draft_state(self._state()[0])
@@ -474,6 +525,7 @@ class Trainer:
     def _validate(self, log: RunLog) -> None:
         log.status("validating")
         self.last_val = self.validate()
+        self.val_step = self.global_step
         log.status()
         if self.last_val is not None:
             log.record({"split": "val", "step": self.global_step, "epoch": self.epoch, **flat_metrics(self.last_val)})
@@ -537,6 +589,7 @@ class Trainer:
             "tokens_per_s": sum(t for t, _ in rates) / max(sum(s for _, s in rates), 1e-9),
             "train": self.last_train,
             "val": self.last_val,
+            "best": self.best,
         }
         if self.timings:
             out["ms_per_step"] = {k: float(np.median([t.get(k, 0.0) for t in self.timings]))
