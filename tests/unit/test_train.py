@@ -271,7 +271,8 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
     top = max(vals, key=lambda r: r["tau"])
     best = json.loads((out / "best" / "best.json").read_text())
     assert best == manifest["outputs"]["best"] and best["tau"] == top["tau"]
-    assert best["step"] == next(r["step"] for r in vals if r["tau"] == top["tau"])
+    first = next(r for r in vals if r["tau"] == top["tau"])
+    assert best["step"] == first["step"] and best["epochs"] == first["epoch"] + 1  # validated at each epoch's end
     assert load_draft(out / "best", verifier=inputs["verifier"]).config == cfg
     same = (out / "best" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert same == (best["step"] == result["steps"])

@@ -513,7 +513,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
                   f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
             if result.get("best"):
                 b = result["best"]
-                print(f"the best validation tau, {b['tau']:.3f}, was at step {b['step']} (epoch {b['epoch'] + 1}): "
+                print(f"the best validation tau, {b['tau']:.3f}, was at step {b['step']} ({b['epochs']:g} epochs): "
                       f"that draft is in {out / BEST}" + (" (the same as the last)" if b["step"] == result["steps"]
                                                           else ""))  # fmt: skip
         d.barrier("end of training")

@@ -210,7 +210,7 @@ class Trainer:
         self.last_train: dict[str, Any] | None = None
         self.last_val: dict[str, Any] | None = None
         self.val_step = -1  # the step last validated at
-        self.best: dict[str, Any] | None = None  # {"step", "epoch", "tau"} of the draft in OUT/best
+        self.best: dict[str, Any] | None = None  # {"step", "epochs", "tau"} of the draft in OUT/best
 
     # ------------------------------------------------------------------ setup
 
@@ -387,8 +387,9 @@ class Trainer:
         # the best one
         fresh = self.last_val is not None and self.val_step == self.global_step
         better = fresh and (self.best is None or self.last_val["tau"] > self.best["tau"])
-        if better:
-            self.best = {"step": self.global_step, "epoch": self.epoch, "tau": self.last_val["tau"]}
+        if better:  # epochs: passes done (the epoch's end has advanced self.epoch; a --max-steps stop, a fraction)
+            done = self.epoch + self.step_in_epoch / max(len(self.plans[min(self.epoch, len(self.plans) - 1)]), 1)
+            self.best = {"step": self.global_step, "epochs": round(done, 3), "tau": self.last_val["tau"]}
         if not self.d.is_main:
             self.saved_step = self.global_step
             self.d.barrier("checkpoint")
