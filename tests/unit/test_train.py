@@ -266,17 +266,17 @@ def test_learns_and_writes_a_loadable_draft(inputs, tmp_path, capsys):
         want = state[f"draft.{name}"]
         torch.testing.assert_close(t, want.to(torch.bfloat16).to(t.dtype) if want.is_floating_point() else want,
                                    msg=name)  # fmt: skip
-    # OUT/best: the draft of the validation with the highest tau (the first of equals), and which one it is
+    # OUT/checkpoints/best: the draft of the validation with the highest tau (the first of equals), and which one it is
     vals = _records(out, "val")
     top = max(vals, key=lambda r: r["tau"])
-    best = json.loads((out / "best" / "best.json").read_text())
+    best = json.loads((out / "checkpoints" / "best" / "best.json").read_text())
     assert best == manifest["outputs"]["best"] and best["tau"] == top["tau"]
     first = next(r for r in vals if r["tau"] == top["tau"])
     assert best["step"] == first["step"] and best["epochs"] == first["epoch"] + 1  # validated at each epoch's end
-    assert load_draft(out / "best", verifier=inputs["verifier"]).config == cfg
-    same = (out / "best" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert load_draft(out / "checkpoints" / "best", verifier=inputs["verifier"]).config == cfg
+    same = (out / "checkpoints" / "best" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert same == (best["step"] == result["steps"])
-    assert f"that draft is in {out / 'best'}" in capsys.readouterr().out
+    assert f"that draft is in {out / 'checkpoints' / 'best'}" in capsys.readouterr().out
     again = train(**kw)  # the same command again: nothing to do
     assert "already trained" in capsys.readouterr().out and again["steps"] == result["steps"]
     # another --verifier-name is another output (config.json records it): refused, never reported as trained
@@ -325,7 +325,8 @@ def test_resume_after_kill9_is_bit_identical(inputs, tmp_path):
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
     # the best validated draft survives the kill too
     for f in ("best.json", "model.safetensors"):
-        assert (out / "best" / f).read_bytes() == (tmp_path / "whole" / "best" / f).read_bytes(), f
+        assert (out / "checkpoints" / "best" / f).read_bytes() == \
+            (tmp_path / "whole" / "checkpoints" / "best" / f).read_bytes(), f  # fmt: skip
     steps = [r["step"] for r in _records(out)]
     assert steps == sorted(set(steps)) and killed_at < steps[-1]  # no duplicated records after the resume
 

@@ -36,8 +36,9 @@ from eyas.training.log import Meter, RunLog, flat_metrics
 CHECKPOINTS = "checkpoints"
 #: the draft of the validation with the highest tau, beside the last one (the stage's output): peers' drafts peak
 #: after a few epochs (one Qwen3-4B run: best at 4.6 epochs, lower by 10; DESIGN.md), speculators keeps its
-#: `checkpoint_best` likewise
-BEST = "best"
+#: `checkpoint_best` likewise. With the checkpoints: work a rerun resumes, not one of the files the stage's
+#: manifest records (a rerun could not remake it once its checkpoint has been rotated out)
+BEST = Path(CHECKPOINTS) / "best"
 BEST_FILE = "best.json"
 STATE_FILE = "trainer_state.pt"
 STATE_FORMAT = "eyas-train-state/1"
@@ -210,7 +211,7 @@ class Trainer:
         self.last_train: dict[str, Any] | None = None
         self.last_val: dict[str, Any] | None = None
         self.val_step = -1  # the step last validated at
-        self.best: dict[str, Any] | None = None  # {"step", "epochs", "tau"} of the draft in OUT/best
+        self.best: dict[str, Any] | None = None  # {"step", "epochs", "tau"} of the draft in OUT/checkpoints/best
 
     # ------------------------------------------------------------------ setup
 
@@ -440,8 +441,8 @@ class Trainer:
         self.d.barrier("checkpoint")
 
     def _keep_best(self, checkpoint: Path) -> None:
-        """OUT/best becomes the draft of ``checkpoint`` (hard links to its files, so it costs no copy and outlives
-        the checkpoint's removal) with ``best.json`` saying which step and tau it is."""
+        """OUT/checkpoints/best becomes the draft of ``checkpoint`` (hard links to its files, so it costs no copy
+        and outlives the checkpoint's removal) with ``best.json`` saying which step and tau it is."""
         from eyas.core.files import atomic_path
 
         with atomic_path(self.out / BEST, is_dir=True) as tmp:
@@ -479,7 +480,7 @@ class Trainer:
         self.last_train, self.last_val = metrics.get("train"), metrics.get("val")
         self.val_step, self.best = metrics.get("val_step", -1), metrics.get("best")
         if self.d.is_main and self.best is not None and self._best_on_disk() != self.best["step"]:
-            # killed between the checkpoint and OUT/best: link it now (it is the newest checkpoint, so kept)
+            # killed between the checkpoint and the best draft's links: link it now (the newest checkpoint, so kept)
             kept = self.out / CHECKPOINTS / f"step-{self.best['step']:08d}"
             if kept.is_dir():
                 self._keep_best(kept)
@@ -490,7 +491,7 @@ class Trainer:
         return path
 
     def _best_on_disk(self) -> int | None:
-        """The step of the draft OUT/best holds, if any."""
+        """The step of the draft OUT/checkpoints/best holds, if any."""
         try:
             return json.loads((self.out / BEST / BEST_FILE).read_text())["step"]
         except (OSError, ValueError, KeyError, TypeError):
