@@ -84,6 +84,13 @@ def verify_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
 # --------------------------------------------------------------------------- the draft with its cache
 
 
+def fed_tokens(proposal: torch.Tensor, nxt: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """The token each of a round's K + 1 fed positions reads in the draft's catch-up (position m + j reads token
+    x_{m+j+1}): the accepted drafts of ``proposal [K]``, then the verifier's next token ``nxt [1]`` at index
+    ``accepted [1]``; past it, rejected drafts, garbage a later forward overwrites before it is read."""
+    return torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)
+
+
 class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
@@ -185,32 +192,34 @@ class DraftRunner:
         """Positions ``start..start+T-1`` from the verifier: tokens ``next_ids [T]`` (each position's next
         token) with the verifier's aux states ``aux [T, 3H]``. Returns the draft logits ``[N]`` at the last
         position and its ``next_hidden [1, 1, H]``."""
-        T = next_ids.shape[0]
+        return self._catch_up("catch_up", next_ids, aux, start)
+
+    def _catch_up(self, kind: str, ids: torch.Tensor, aux: torch.Tensor, start: int,
+                  at: torch.Tensor | None = None):  # fmt: skip
+        """The draft over ``ids [T]`` and ``aux [T, 3H]`` at ``start..``: a graph keyed by ``kind`` for a fixed
+        short length, eagerly for a prompt's (its length varies); outputs at the last position, or at ``at``."""
+        T = ids.shape[0]
         pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
         aux = aux[None].to(self.dtype)  # [1, T, 3H]
-        if T <= self.graph_max_tokens and self.graphs.enabled:  # after a round: 1..K+1 positions, a graph each
-            return self._graphed("catch_up", (next_ids[None], aux, pos), lambda *x: self._run(*x, fuse=True))
-        return self._forward(next_ids[None], aux, pos, fuse=True)  # a prompt's length varies: eager
+        extra = () if at is None else (at,)
+        if T <= self.graph_max_tokens and self.graphs.enabled:
+            return self._graphed(kind, (ids[None], aux, pos, *extra), lambda *x: self._run(*x[:3], True, *x[3:]))
+        return self._forward(ids[None], aux, pos, True, at)
 
     @torch.no_grad()
-    def catch_up_round(self, fed: torch.Tensor, aux: torch.Tensor, start: int, accepted: torch.Tensor):
-        """After a round, the ``K + 1`` positions the verifier fed from ``start``, whatever was accepted: ``fed
-        [K+1]`` the token each position reads (the accepted drafts, then the verifier's next token at index
-        ``accepted``; past it, any), ``aux [K+1, 3H]`` the verifier's states there. Returns the draft logits
-        ``[N]`` and ``next_hidden [1, 1, H]`` at index ``accepted [1]`` (a device tensor: no host sync).
+    def catch_up_round(self, proposal: torch.Tensor, nxt: torch.Tensor, aux: torch.Tensor, start: int,
+                       accepted: torch.Tensor):  # fmt: skip
+        """After a round, the ``K + 1`` positions the verifier fed from ``start``, whatever was accepted: each
+        reads the token :func:`fed_tokens` gives it (from ``proposal [K]``, the verifier's next token ``nxt [1]``
+        and ``accepted [1]``), with ``aux [K+1, 3H]`` the verifier's states there. Returns the draft logits
+        ``[N]`` and ``next_hidden [1, 1, H]`` at index ``accepted`` (a device tensor: no host sync).
 
         One shape a round, as vLLM's padded drafter and :class:`GreedyRounds` run it: one compiled version and
         one graph instead of one per accepted count (K + 1 of each to compile and record before eval's loops
         run at speed). The positions past the accepted ones get garbage that the next round's drafting steps
         overwrite before a query at or after them reads them."""
-        T = fed.shape[0]
-        pos = torch.arange(start, start + T, device=self.device)[None]  # [1, T]
-        aux = aux[None].to(self.dtype)  # [1, T, 3H]
-        at = accepted.reshape(1)
-        if T <= self.graph_max_tokens and self.graphs.enabled:
-            return self._graphed("catch_up_round", (fed[None], aux, pos, at),
-                                 lambda ids, h, p, i: self._run(ids, h, p, fuse=True, at=i))  # fmt: skip
-        return self._forward(fed[None], aux, pos, fuse=True, at=at)
+        fed = fed_tokens(proposal, nxt, accepted)
+        return self._catch_up("catch_up_round", fed, aux, start, accepted.reshape(1))
 
     def _chain(self, logits: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
         drafted = [self.to_target[logits.argmax(-1, keepdim=True)]]  # [1] target ids
@@ -379,9 +388,8 @@ def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list
         a, done = _account(out, host, max_new_tokens, eos_ids)
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
         last = nxt
-        if not done:  # over all K + 1 fed positions: position m + j reads token x_{m+j+1}, next at `accepted`
-            fed = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)
-            d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
+        if not done:  # over all K + 1 fed positions
+            d_logits, hidden = draft.catch_up_round(proposal, nxt, aux, m, accepted)
         m += a + 1
     return out
 
@@ -404,8 +412,7 @@ def _greedy(verifier: SequenceDecoder, draft: DraftRunner, out: Generation, done
         accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
         outcome = _Readback(torch.cat([accepted, nxt, proposal]))
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
-        fed = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)  # position m + j reads x_{m+j+1}
-        d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
+        d_logits, hidden = draft.catch_up_round(proposal, nxt, aux, m, accepted)
         upcoming = draft.propose(d_logits, hidden, accepted + (m + 1), K)
         a, done = _account(out, outcome.get(), max_new_tokens, eos_ids)  # the round's one sync
         last, proposal = nxt, upcoming
@@ -494,7 +501,7 @@ class GreedyRounds:
         v.slots.start.copy_(self.m)
         logits, aux = v._forward(torch.cat([self.last, proposal])[None], pos, 0)  # [K+1, V], [K+1, 3H]
         accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
-        ids = torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)  # position m+j reads token x_{m+j+1}
+        ids = fed_tokens(proposal, nxt, accepted)
         normed, next_hidden = d.draft.step(ids[None], d.draft.fuse(aux[None].to(d.dtype)), pos, d.cache)
         self.d_logits.copy_(d.draft.compute_logits(normed[0].index_select(0, accepted))[0].float())
         self.hidden.copy_(next_hidden.index_select(1, accepted))

@@ -136,7 +136,7 @@ class Runners:
         self.draft.reset(cap + Kmax + (4 * (Kmax + 1) if self.fused_rounds else 0))
         at = torch.zeros(1, dtype=torch.long, device=ids.device)
         for K in self.draft_tokens:
-            logits, hidden = self.draft.catch_up_round(ids[: K + 1], aux[:1].expand(K + 1, -1), 0, at)
+            logits, hidden = self.draft.catch_up_round(ids[:K], ids[K : K + 1], aux[:1].expand(K + 1, -1), 0, at)
         self.draft.step(ids[:1], hidden, Kmax + 1)
         for K in self.draft_tokens:
             self.draft.propose(logits, hidden, Kmax + 1, K)
