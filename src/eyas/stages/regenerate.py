@@ -456,26 +456,20 @@ class LocalBackend:
         self._early: list[tuple[int, Answer]] = []
 
     def submit(self, i: int, turn: int, messages: list[dict[str, str]], *, remaining: int = 0) -> None:
-        from eyas.data.chat import encode_prompt
-
-        self._push(i, turn, encode_prompt(self.tok, messages), remaining)
+        self.submit_many([(i, turn, messages, remaining)])
 
     def submit_many(self, items: list[tuple[int, int, list[dict[str, str]], int]]) -> None:
         """:meth:`submit` of each ``(i, turn, messages, remaining)``, tokenized in batches (the first turns of
         every prompt, submitted at once before the first step)."""
         from eyas.data.chat import encode_prompts
-
-        for (i, turn, _, remaining), ids in zip(items, encode_prompts(self.tok, [m for _, _, m, _ in items])):
-            self._push(i, turn, ids, remaining)
-
-    def _push(self, i: int, turn: int, ids: list[int], remaining: int) -> None:
         from eyas.engine.generate import Request
 
-        if len(ids) + self.max_new_tokens > self.max_seq_len:
-            self._early.append((i, Answer(None, False, 0)))
-            return
-        self.queue.push(Request(key=i, tokens=ids, max_new_tokens=self.max_new_tokens,
-                                seed=_request_seed(self.seed, i, turn), priority=remaining))  # fmt: skip
+        for (i, turn, _, remaining), ids in zip(items, encode_prompts(self.tok, [m for _, _, m, _ in items])):
+            if len(ids) + self.max_new_tokens > self.max_seq_len:
+                self._early.append((i, Answer(None, False, 0)))
+                continue
+            self.queue.push(Request(key=i, tokens=ids, max_new_tokens=self.max_new_tokens,
+                                    seed=_request_seed(self.seed, i, turn), priority=remaining))  # fmt: skip
 
     def report(self) -> dict[str, Any]:
         return self.decoder.report()
