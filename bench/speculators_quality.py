@@ -121,10 +121,6 @@ def speculators_train(a, out: Path, *, data: Path, vocab: Path, verifier: Path, 
     return final
 
 
-def manifest(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default="smollm2")
@@ -155,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="rows held out from training, both trainers (eyas' default; speculators' is 0.1)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny verifier and data, the dry run, 4 steps")
+    from eyas.core.manifest import read_manifest
+
     a = p.parse_args(argv)
     if a.max_seq_len > 2048:
         p.error("--max-seq-len is at most 2048, speculators' sliding window (see speculators_train in this file)")
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     stage("vocab", eyas, "vocab", "--data", str(out / "prepared"), "--out", str(out / "vocab"), log=log)
     stage("extract", eyas, "extract", *common, "--data", str(out / "prepared"), "--out", str(out / "features"),
           "--speculators-out", str(out / "speculators-data"), log=log)  # fmt: skip
-    draft_vocab = int(manifest(out / "vocab")["draft_vocab_size"])
+    draft_vocab = int(read_manifest(out / "vocab", stage="vocab")["draft_vocab_size"])
     head = stage("head", head_only_verifier, str(a.verifier), out / "verifier-head")
     drafts = {"speculators": stage("train speculators", speculators_train, a, out / "speculators",
                                    data=out / "speculators-data", vocab=out / "vocab", verifier=head,
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
                   str(a.draft_tokens), *(["--num-prompts", str(a.num_prompts)] if a.num_prompts else []),
                   log=log)  # fmt: skip
         reports[name] = json.loads(report.read_text())
-    prepared, features = manifest(out / "prepared"), manifest(out / "features")
+    prepared, features = read_manifest(out / "prepared", stage="prepare"), read_manifest(out / "features")
     result = {
         "bench": "speculators-quality", "smoke": a.smoke, "verifier": str(a.verifier),
         "data": {"conversations": str(conversations), "max_samples": a.max_samples,
