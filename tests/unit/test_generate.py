@@ -317,6 +317,33 @@ def test_frozen_layers_fuse_qkv_and_gate_up(make_tiny):
     assert counts == {False: 7, True: 4 * 2}, counts
 
 
+def _compiled_like_eager(model, slots, run, *, seed: int, **compile_kw) -> list[str]:
+    """``run()`` (forwards through ``slots``, their logits returned) eagerly and then in layers compiled with
+    ``compile_kw``, each from the same random keys and values at the earlier positions: asserts no graph break
+    and eager's logits and final caches, and returns inductor's output code of the compiled run."""
+    from inductor_code import output_code
+
+    from eyas.engine.graphs import compiled_layers
+    from eyas.engine.slots import slot_attention
+
+    g = torch.Generator().manual_seed(seed)
+    for buf in slots.k + slots.v:  # earlier positions: whatever a prompt left there
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    kept = [b.clone() for b in slots.k + slots.v]
+    with slot_attention(model, slots), torch.no_grad():
+        want = run()
+        want_kv = [b.clone() for b in slots.k + slots.v]
+        for b, k in zip(slots.k + slots.v, kept):
+            b.copy_(k)
+        torch._dynamo.utils.counters.clear()
+        with compiled_layers(model, **compile_kw):
+            got, codes = output_code(run)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for a, b in zip(got + slots.k + slots.v, want + want_kv):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return codes
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the eager reference
 @pytest.mark.parametrize(("name", "rows", "freeze"), [("llama", 1, False), ("llama", 3, False), ("llama", 1, True),
                                                       ("gemma2", 3, False)])  # fmt: skip
@@ -327,10 +354,7 @@ def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, fr
     what the one before wrote, give eager's logits and leave eager's keys and values, at one sequence and at 3
     rows at different positions; frozen too (the buffers stay inputs, not constants), and for Gemma-2 (sliding
     and global layers, an attention softcap)."""
-    from inductor_code import output_code
-
-    from eyas.engine.graphs import compiled_layers
-    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+    from eyas.engine.slots import Slots, layer_shapes
 
     t = make_tiny(name)
     model = build_text_model(resolve(t.path))
@@ -340,10 +364,6 @@ def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, fr
             layer.self_attn.attn_logit_softcapping = 0.02
     slots = Slots(slots=rows, capacity=200, layers=layer_shapes(model), dtype=torch.float32,
                   device=torch.device("cpu"), attention="flex")  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    for buf in slots.k + slots.v:  # earlier positions: whatever a prompt left there
-        buf.copy_(torch.randn(buf.shape, generator=g))
-    kept = [b.clone() for b in slots.k + slots.v]
     first = torch.tensor([0, 37, 130][:rows])  # the third row's keys past the first 128-key block
 
     def forward(T: int, at: torch.Tensor):
@@ -356,19 +376,7 @@ def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, fr
     def run():
         return [forward(1, first), forward(1, first + 1), forward(4, first + 2)]
 
-    with slot_attention(model, slots), torch.no_grad():
-        want = run()
-        want_kv = [b.clone() for b in slots.k + slots.v]
-        for b, k in zip(slots.k + slots.v, kept):
-            b.copy_(k)
-        torch._dynamo.utils.counters.clear()
-        with compiled_layers(model, freeze=freeze):
-            got, codes = output_code(run)
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(slots.k + slots.v, want_kv):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    codes = _compiled_like_eager(model, slots, run, seed=0, freeze=freeze)
     traced = [c for c in codes if "flex_attention" in c and "index_" in c]
     assert traced, "no compiled code holds both the cache writes and the attention"
     layers = len(model.base_model.layers)
@@ -382,18 +390,11 @@ def test_flex_decoding_traced_with_symbolic_rows(make_tiny):
     """regenerate's batched steps: the layers compiled with the row count symbolic (``dynamic=None``) and the
     slot attention inside, steps over 4, then 3, then 2 of 4 slots (as the busy rows drain) give eager's logits
     and cache, with no graph break and no compile per row count past the second."""
-    from inductor_code import output_code
-
-    from eyas.engine.graphs import compiled_layers
-    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+    from eyas.engine.slots import Slots, layer_shapes
 
     model = build_text_model(resolve(make_tiny("qwen3").path))
     slots = Slots(slots=4, capacity=160, layers=layer_shapes(model), dtype=torch.float32,
                   device=torch.device("cpu"), attention="flex")  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    for buf in slots.k + slots.v:
-        buf.copy_(torch.randn(buf.shape, generator=g))
-    kept = [b.clone() for b in slots.k + slots.v]
     slots.start = torch.tensor([5, 140, 60, 9])
     slots.keys = slots.key_length(160)
 
@@ -407,17 +408,7 @@ def test_flex_decoding_traced_with_symbolic_rows(make_tiny):
         slots.start.copy_(first)
         return out
 
-    with slot_attention(model, slots), torch.no_grad():
-        want = run()
-        want_kv = [b.clone() for b in slots.k + slots.v]
-        for b, k in zip(slots.k + slots.v, kept):
-            b.copy_(k)
-        torch._dynamo.utils.counters.clear()
-        with compiled_layers(model, dynamic=None):
-            got, codes = output_code(run)
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    for a, b in zip(got + slots.k + slots.v, want + want_kv):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    codes = _compiled_like_eager(model, slots, run, seed=1, dynamic=None)
     assert [c for c in codes if "flex_attention" in c and "index_put" in c]
     assert len(codes) <= 3, len(codes)  # 4 rows, then symbolic rows (and one more, a transformers guard at most)
 
