@@ -460,6 +460,21 @@ def test_smollm2_greedy_is_lossless(smollm2_path, smollm2_model):
     assert "Paris" in tok.decode(out.tokens)
 
 
+def test_recheck_in_fp32_on_a_gguf_verifier(smollm2_path, monkeypatch):
+    """A difference the logit gap calls real is decoded again in fp32 without being asked, on a GGUF verifier in
+    bf16 too (transformers marks the dequantized model quantized and refuses its `.float()`): a loop that accepts
+    every draft stays real."""
+
+    def accept_all(target_logits, draft_tokens):
+        return torch.full(draft_tokens.shape[:1], draft_tokens.shape[1]), target_logits[:, -1].argmax(-1)
+
+    monkeypatch.setattr(speculative, "verify_greedy", accept_all)
+    report = ev.evaluate(verifier=str(smollm2_path), draft="random", prompts=[PROMPTS[1]], max_new_tokens=8,
+                         dtype="bfloat16")  # fmt: skip
+    (bad,) = report["mismatches"]
+    assert bad["fp32"] == "differ" and bad["kind"] == "real" and report["dtype"] == "bfloat16"
+
+
 # --------------------------------------------------------------------------- the stage
 
 

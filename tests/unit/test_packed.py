@@ -142,12 +142,12 @@ def test_layers_offloaded_to_host_memory_get_the_asked_dtype(int4):
     cpu_offload puts every layer there: the same hooks and weights map)."""
     from accelerate import cpu_offload
 
-    from eyas.verifier.load import _cast_renamed_quantized
+    from eyas.verifier.load import cast_floating
 
     model = int4("llama_int4").reference()  # fp32, as the fixtures are stored
     cpu_offload(model, execution_device="cpu")
     assert all(p.device.type == "meta" for p in model.parameters())
-    _cast_renamed_quantized(model, torch.bfloat16)
+    cast_floating(model, torch.bfloat16)
     held = model.model.embed_tokens._hf_hook.weights_map.dataset  # what host memory holds, for every layer
     assert {t.dtype for t in held.values()} == {torch.bfloat16}
     with torch.no_grad():

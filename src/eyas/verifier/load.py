@@ -200,7 +200,7 @@ def build_text_model(
                 info.checkpoint_dir, config=cfg, key_mapping=key_mapping(info), **kwargs
             )
             if q:
-                _cast_renamed_quantized(model, dtype)
+                cast_floating(model, dtype)
                 if packed:  # the cast replaces tensors the stacked MoE experts viewed: stack those again
                     from eyas.verifier.packed import stack_experts
 
@@ -266,8 +266,11 @@ def _from_gguf(info: VerifierInfo, kwargs: dict[str, Any], *, cache: bool):
     return model, loading
 
 
-def _cast_renamed_quantized(model, dtype: torch.dtype) -> None:
-    """Give a quantized checkpoint's floating parameters the asked ``dtype``. transformers 5.17 loads every
+def cast_floating(model, dtype: torch.dtype) -> None:
+    """Give a quantized model's floating parameters ``dtype`` in place, where transformers' ``.to(dtype)`` and
+    ``.float()`` refuse any model loaded through a quantizer (a GGUF verifier's dequantized one included).
+
+    Used while loading, because transformers 5.17 loads every
     tensor of a pre-quantized checkpoint whose key it renames (a wrapper's ``language_model.`` prefix) in the
     checkpoint's own dtype (``core_model_loading``: ``_dtype = None`` for renamed keys), so a wrapped int4
     verifier came out in fp32 when asked for bf16; 5.24 casts them. The model's
