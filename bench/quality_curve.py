@@ -1,7 +1,8 @@
 """Tau against data: the SmolLM2 recipe's measured runs as one curve, ``bench/results/smollm2-curve.json``, a
 table and ``docs/smollm2-curve.png``.
 
-Each point is one run of the recipe on one H200 (``bench/gpu/quality.sh``), taken from the JSON
+Each point is one run of the recipe on one GPU (``bench/gpu/quality.sh``; an H200 unless the point's ``gpu``
+names another card), taken from the JSON
 ``bench/quality_results.py`` gathered for it, so no figure is typed by hand:
 
     python bench/quality_curve.py add RESULTS.json --note "ShareGPT + self-written, every turn, loops kept"
@@ -55,6 +56,7 @@ def point(results: dict, note: str) -> dict:
         "val_tau": run.get("val_tau"),
         "train_tau": run.get("train_tau"),
         "device_minutes": results.get("minutes_total"),
+        "gpu": (results.get("device") or {}).get("gpu"),
     }
     for s in SETS:
         m = (results.get("eval") or {}).get(s, {}).get("K=3")
@@ -105,7 +107,7 @@ def plot(points: list[dict], path: Path) -> None:
     ax.set_ylim(top=max(3.15, ax.get_ylim()[1]))
     ax.set_xlabel("loss-masked training tokens (millions, log scale)")
     ax.set_ylabel("tau at K=3, T=0 (tokens per verifier forward)")
-    ax.set_title("SmolLM2-135M-Instruct draft: tau against data (one H200)")
+    ax.set_title("SmolLM2-135M-Instruct draft: tau against data (one H100 or H200)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -51,7 +51,7 @@ def _val_curve(draft: Path) -> list[dict]:
     return [{"step": r["step"], "epoch": r["epoch"], "tau": r["tau"]} for r in rows if r.get("split") == "val"]
 
 
-def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> dict:
+def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu: str | None = None) -> dict:
     """The results of the run folder ``run`` (``$R`` of quality.sh)."""
     selfp, regen, prep, vocab = (_read(run / d / "manifest.json") for d in ("prompts", "regenerated", "prepared",
                                                                            "vocab"))  # fmt: skip
@@ -122,10 +122,12 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval")) -> d
         report = _read(run / "eval" / name)
         if report is None:
             continue
-        device = device or {k: report.get(k) for k in ("device", "dtype", "cuda_graphs", "compile", "versions")}
+        device = device or {k: report.get(k) for k in ("device", "gpu", "dtype", "cuda_graphs", "compile", "versions")}
         for k, m in _by_k(report).items():
             sets.setdefault(prompt_set, {})[f"K={k}"] = _measurement(m, report)
     result["eval"] = sets
+    if device is not None and gpu:  # a report of an eval that did not record its card yet
+        device["gpu"] = device.get("gpu") or gpu
     result["device"] = device
     seconds: dict[str, float] = {}
     finished: set[str] = set()
@@ -151,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     p.add_argument("--commit", help="the eyas commit the run ran (the GPU machine's copy has no git)")
     p.add_argument("--sets", default="mt-bench,humaneval", help="the prompt sets a complete run measured")
+    p.add_argument("--gpu", help="the card, for a run whose eval reports do not name it (quality.sh's status.txt "
+                   "has nvidia-smi's name)")  # fmt: skip
     a = p.parse_args(argv)
     if not a.run.is_dir():
         print(f"quality_results: {a.run} is not a folder", file=sys.stderr)
         return 2
-    result = gather(a.run, expect=[x for x in a.sets.split(",") if x])
+    result = gather(a.run, expect=[x for x in a.sets.split(",") if x], gpu=a.gpu)
     if a.commit:
         result["commit"] = a.commit
     text = json.dumps(result, indent=2) + "\n"

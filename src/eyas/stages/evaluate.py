@@ -230,6 +230,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "draft": str(c.draft),
         "draft_is_random": str(c.draft) == "random",
         "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,  # the figures depend on the card
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
