@@ -48,6 +48,43 @@ def test_loops_are_found_with_their_first_copy_and_changing_counters():
     assert find_loop(prefix) is None and find_loop([1] * 20) is None  # too short to call a loop
 
 
+def _loop_by_every_period(t, *, max_period=256, min_repeats=3.0, min_tokens=32, mismatch=0.1):
+    """find_loop's definition checked period by period, in plain Python: the reference for its numpy version."""
+    n, best = len(t), None
+    for p in range(1, min(max_period, n // 2) + 1):
+        bad, tail = 0, 0
+        for k in range(n - p):  # position n - 1 - k against the one p before it
+            bad += t[n - 1 - k] != t[n - 1 - k - p]
+            if bad <= mismatch * (k + 1):
+                tail = k + 1
+        if t[n - 1] != t[n - 1 - p] or tail + p < max(min_repeats * p, min_tokens):
+            continue
+        if best is None or tail + p > best[0] + best[1]:  # the longest span; the smallest period among equals
+            best = (tail, p)
+    if best is None:
+        return None
+    tail, p = best
+    while tail and t[n - tail] != t[n - tail - p]:  # a tail starts on a repeat, not on a mismatch it allowed
+        tail -= 1
+    return n - tail - p, p
+
+
+def test_find_loop_equals_trying_every_period():
+    """find_loop tries only the periods at which the last token recurs: the loops it finds are the ones trying
+    every period finds, on random text with loops of any period whose copies change a token now and then."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        unit = [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+        tail = sum(
+            ([x if rng.random() > 0.05 else rng.randrange(50) for x in unit] for _ in range(rng.randrange(8))), []
+        )
+        seq = ([rng.randrange(50) for _ in range(rng.randrange(0, 120))] + tail)[:384]
+        loop = find_loop(seq)
+        assert (None if loop is None else (loop.start, loop.period)) == _loop_by_every_period(seq), seq
+
+
 def test_tiny_verifier_prompts_resume_and_feed_regenerate(make_tiny, tmp_path):
     """A run on a tiny verifier writes what its manifest counts; a run stopped part way (its journal kept, the
     last line cut as a kill leaves it) finishes with the same prompts; regenerate answers a mix with another

@@ -34,27 +34,33 @@ class Loop:
 
 def find_loop(tokens, *, max_period: int = 256, min_repeats: float = 3.0, min_tokens: int = 32,
               mismatch: float = 0.1) -> Loop | None:  # fmt: skip
-    """The longest repeating tail of ``tokens`` (see the module's docstring), or None. Every period is tried at
-    once: ``O(max_period * n)`` numpy work, about a millisecond for 512 tokens."""
+    """The longest repeating tail of ``tokens`` (see the module's docstring), or None. Every period whose copy
+    still repeats at the last token is tried at once: ``O(periods * n)`` numpy work. Regenerate runs it on every
+    answer cut at its limit (half of SmolLM2's), on the host while the GPU decodes: trying only those periods
+    (the last token recurs a few dozen times in 384) takes it from 0.26 to 0.05 ms an answer, the same loops
+    found (2,228 sequences of ShareGPT's tokens up to 384 long, 938 of them looped, on a 2-core CPU)."""
     t = np.asarray(tokens, dtype=np.int64)
     n = len(t)
     P = min(max_period, n // 2)
     if P < 1:
         return None
+    periods = np.flatnonzero(t[n - 1 - np.arange(1, P + 1)] == t[n - 1]) + 1  # ascending
+    if not len(periods):
+        return None
     k = np.arange(n)  # distance from the end
     back = n - 1 - k  # [n]: positions from the last one backwards
-    p = np.arange(1, P + 1)[:, None]  # [P, 1]
-    prev = back[None, :] - p  # [P, n]: the token one period before
-    same = (prev >= 0) & (t[back][None, :] == t[np.maximum(prev, 0)])  # [P, n]: repeats, reading backwards
-    bad = np.cumsum(~same, axis=1)  # [P, n]: mismatches within the last k + 1 positions
+    p = periods[:, None]  # [C, 1]
+    prev = back[None, :] - p  # [C, n]: the token one period before
+    same = (prev >= 0) & (t[back][None, :] == t[np.maximum(prev, 0)])  # [C, n]: repeats, reading backwards
+    bad = np.cumsum(~same, axis=1)  # [C, n]: mismatches within the last k + 1 positions
     ok = (bad <= mismatch * (k[None, :] + 1)) & (prev >= 0)
-    tail = np.where(ok, k[None, :] + 1, 0).max(axis=1)  # [P]: the longest such tail, in positions that repeat
+    tail = np.where(ok, k[None, :] + 1, 0).max(axis=1)  # [C]: the longest such tail, in positions that repeat
     span = tail + p[:, 0]  # tokens the loop covers: its first copy and the repeats
     good = same[:, 0] & (span >= min_repeats * p[:, 0]) & (span >= min_tokens)  # it must still repeat at the end
     if not good.any():
         return None
     i = int(np.argmax(np.where(good, span, -1)))  # the earliest start (the smallest period among equals)
-    period, length = i + 1, int(tail[i])
+    period, length = int(periods[i]), int(tail[i])
     while length and not same[i, length - 1]:  # a tail starts on a repeat, not on the mismatches it allowed
         length -= 1
     span = length + period
