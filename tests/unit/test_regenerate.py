@@ -325,3 +325,35 @@ def test_prompts_encoded_in_batches_equal_one_by_one(smollm2_path):
     ]
     assert encode_prompts(tok, convs, chunk=4) == [encode_prompt(tok, m) for m in convs]
     assert encode_prompts(tok, []) == []
+
+
+def test_next_turns_are_tokenized_in_one_batch_per_block(make_tiny, monkeypatch):
+    """The next turns submitted for a block's answers wait untokenized until the engine reads its queue, then are
+    tokenized in one batch: four conversations whose answers end in the same block give one batch of four
+    second turns, and each answer is what plain decoding of its conversation alone gives."""
+    from eyas.stages.regenerate import LocalBackend, _conversation
+    from eyas.data.datasets import Prompt
+
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    tok, model = load_tokenizer(info), build_text_model(info)
+    batches = []
+    real = chat.encode_prompts
+    monkeypatch.setattr(
+        chat, "encode_prompts", lambda tok, convs, **kw: batches.append(len(convs)) or real(tok, convs, **kw)
+    )
+    backend = LocalBackend(model, tok, max_new_tokens=6, max_seq_len=256, batch_tokens=4 * 256, temperature=0.0, seed=0)
+    prompts = [Prompt(f"p{i}", ["Hello there", "And then?"]) for i in range(4)]
+    backend.submit_many([(i, 0, _conversation(p, []), 1) for i, p in enumerate(prompts)])
+    got: dict[int, list] = {i: [] for i in range(4)}
+    for i, a in backend.results():
+        got[i].append(a)
+        if len(got[i]) == 1:
+            backend.submit(i, 1, _conversation(prompts[i], got[i]))
+    assert batches == [4, 4]  # the first turns, then the four second turns together
+    runner = SequenceDecoder(model, capacity=256)
+    for i, answers in got.items():
+        for turn, a in enumerate(answers):
+            ids = chat.encode_prompt(tok, _conversation(prompts[i], answers[:turn]))
+            want = speculative.plain_generate(runner, ids, max_new_tokens=6, eos_ids=backend.eos_ids).tokens
+            assert a.ids == (want[:-1] if want[-1] in backend.eos_ids else want)

@@ -27,7 +27,7 @@ import functools
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,24 +236,40 @@ class Completion:
 class RequestQueue:
     """Requests waiting for a slot, highest priority first, then shortest prompt first (similar lengths decode
     together, so the key length a step attends to stays close to what its sequences need); requests may be
-    added while the engine runs."""
+    added while the engine runs.
 
-    def __init__(self, requests: Iterable[Request] = ()) -> None:
+    ``feed``, when given, is called before the queue is read and returns the requests made since: a caller
+    can gather what it submits (regenerate's next turns) and tokenize it in one batch there, which the engine
+    does while its GPU runs a block of steps (:meth:`fill`)."""
+
+    def __init__(
+        self, requests: Iterable[Request] = (), *, feed: Callable[[], Iterable[Request]] | None = None
+    ) -> None:
         self._heap: list[tuple[tuple[int, int], int, Request]] = []
         self._n = itertools.count()
+        self._feed = feed
         for r in requests:
             self.push(r)
 
     def push(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.sort, next(self._n), request))
 
+    def fill(self) -> None:
+        """The requests ``feed`` has ready, into the queue."""
+        if self._feed is not None:
+            for r in self._feed():
+                self.push(r)
+
     def pop(self) -> Request:
+        self.fill()
         return heapq.heappop(self._heap)[2]
 
     def peek(self) -> Request:
+        self.fill()
         return self._heap[0][2]
 
     def __len__(self) -> int:
+        self.fill()
         return len(self._heap)
 
 
@@ -487,6 +503,7 @@ class BatchDecoder:
                 t1 = time.perf_counter()
                 yield from pending
                 pending = []
+                queue.fill()  # what the caller submitted for them (next turns), readied while the steps run
                 t2 = time.perf_counter()
                 host = block[:, busy].cpu().numpy()  # [N, busy]: the block's one device->host sync
                 self.stats["caller_seconds"] += t2 - t1
