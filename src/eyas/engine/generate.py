@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from eyas.core.errors import EyasError
-from eyas.engine.graphs import Graphs, freeze_fits
+from eyas.core.errors import EyasError, brief
+from eyas.engine.graphs import Graphs, compiled_layers, freeze_fits
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
 
@@ -343,7 +343,7 @@ class BatchDecoder:
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
                  cuda_graphs: bool = True, compile: bool = True, attention: str = "auto", top_p: float = 1.0,
-                 repetition_penalty: float = 1.0) -> None:  # fmt: skip
+                 repetition_penalty: float = 1.0, compile_prefill: bool | None = None) -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -369,6 +369,12 @@ class BatchDecoder:
         # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic); not
         # frozen, which would compile a version per layer and row count, each with its copy of the weights
         self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None, dynamic=None)
+        # Prefills run their layers compiled too, with symbolic shapes (one compile for every prefill's length),
+        # where the steps compile (CUDA). Eagerly, a prefill of a few thousand tokens of SmolLM2-135M is bound
+        # by dispatching its ~1,200 kernels from Python: 1,496 prefills took 52 s of a 170 s regenerate on an
+        # H100, more than its 16,000 decoding steps (35 s). The packed attention stays eager in the middle of
+        # each layer (a graph break: its Python reads the slots' layout).
+        self.compile_prefill = self.graphs.compile_model is not None if compile_prefill is None else compile_prefill
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "caller_seconds": 0.0}  # fmt: skip
 
@@ -428,8 +434,7 @@ class BatchDecoder:
         slots.layout, slots.targets, slots.prompt_len = "packed", targets, Tp
         slots.begin()
         try:
-            logits = self.model(input_ids=ids.view(1, -1).to(self.device), position_ids=pos.to(self.device),
-                                use_cache=False, logits_to_keep=ends).logits[0]  # fmt: skip  # [B, V]
+            logits = self._prefill_forward(ids.view(1, -1).to(self.device), pos.to(self.device), ends)  # [B, V]
         finally:
             slots.layout, slots.targets = "rows", None
         lengths = torch.tensor([len(r.tokens) for _, r in batch], device=self.device)
@@ -443,6 +448,21 @@ class BatchDecoder:
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += B * Tp
         return first.tolist()
+
+    def _prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The packed prompts' forward ``ids [1, B*Tp]`` -> the logits at ``ends`` ``[B, V]``; its layers
+        compiled where :attr:`compile_prefill` (a compiler error: eagerly from then on, after one note)."""
+        forward = functools.partial(self.model, input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=ends)
+        if self.compile_prefill:
+            try:
+                with compiled_layers(self.model, dynamic=True):
+                    return forward().logits[0]
+            except Exception as e:  # the keys and values it wrote are written again, the same, below
+                import sys
+
+                print(f"eyas: prefills without torch.compile ({brief(e)})", file=sys.stderr)
+                self.compile_prefill = False
+        return forward().logits[0]
 
     # ------------------------------------------------------------------ the loop
 

@@ -279,7 +279,11 @@ def _eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             i = torch.arange(Tp, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)  # [Tp, Tp]
         out = _sdpa(q, k, v, mask=mask, causal=mask is None, scale=scaling, softcap=softcap)  # [B, H, Tp, dv]
-        return out.transpose(1, 2).reshape(1, B * Tp, H, -1), None
+        # a tensor of its own, not a view: a compiled prefill's layer resumes with it, and a view's base sizes
+        # would be guarded (B = 1 against B > 1), a compile each
+        packed = out.new_empty(1, B * Tp, H, out.shape[-1])
+        packed.view(B, Tp, H, -1).copy_(out.transpose(1, 2))
+        return packed, None
     S, _, T, _ = query.shape  # S <= slots.num_slots: the forward runs over the first S slots
     _write_rows(slots, K, V, key, value)
     n = slots.keys
