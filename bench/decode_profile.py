@@ -12,6 +12,12 @@ With ``--freeze off,on`` each attention runs twice, the verifier's layers and th
 inductor's freezing (weights as constants: q/k/v and gate/up one matmul each; eyas.engine.graphs.compile_frozen),
 then a line of on/off ratios (time, kernels, the memory its build took); ``auto`` (the default) is what eval does.
 
+With ``--inductor "default;max_autotune_gemm=True"`` (variants split by ``;``, each ``key=value`` settings of
+``torch._inductor.config`` split by ``,``) each attention and freeze runs once per variant, everything compiled
+again under that variant's settings (``torch._dynamo.reset()`` between them): e.g. whether inductor's Triton GEMM
+templates, whose epilogues fuse the residual adds and activations that follow a matmul, beat cuBLAS's kernels at
+one row, where a step is bound by its kernel count. Each row names its variant.
+
 With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
 (:class:`eyas.engine.generate.BatchDecoder`): every slot busy at each position ``--live`` lists, one step
 replayed as a graph, timed and profiled per row count and live length: what a step costs as
@@ -112,6 +118,7 @@ def main() -> None:
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
     ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
     ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
+    ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -142,13 +149,34 @@ def main() -> None:
     prompt = torch.randint(100, 20000 if not args.smoke else 400, (args.prompt_len,), generator=torch.Generator()
                            .manual_seed(0)).tolist()  # fmt: skip
     freezes = {"off": False, "on": True, "auto": None}
-    for attention in args.attention.split(","):
-        rows = {}
-        for freeze in args.freeze.split(","):
-            rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n, K=K)
-            print(json.dumps({"freeze": freeze, **rows[freeze]}), flush=True)
-        if {"off", "on"} <= rows.keys():
-            print(json.dumps(freeze_ratios(rows["off"], rows["on"])), flush=True)
+    for variant, settings in inductor_variants(args.inductor):
+        torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
+        with torch._inductor.config.patch(settings):
+            for attention in args.attention.split(","):
+                rows = {}
+                for freeze in args.freeze.split(","):
+                    rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n, K=K)
+                    print(json.dumps({"inductor": variant, "freeze": freeze, **rows[freeze]}), flush=True)
+                if {"off", "on"} <= rows.keys():
+                    print(json.dumps({"inductor": variant, **freeze_ratios(rows["off"], rows["on"])}), flush=True)
+
+
+def inductor_variants(spec: str) -> list[tuple[str, dict]]:
+    """``--inductor``'s variants -> ``[(name, torch._inductor.config settings)]``; ``default``: none."""
+    import ast
+
+    out = []
+    for variant in filter(None, (v.strip() for v in spec.split(";"))):
+        settings = {}
+        for item in variant.split(","):
+            if item.strip() == "default":
+                continue
+            key, _, value = item.partition("=")
+            if not value:
+                raise SystemExit(f"--inductor: give KEY=VALUE, got {item!r}")
+            settings[key.strip()] = ast.literal_eval(value.strip())
+        out.append((variant, settings))
+    return out
 
 
 def freeze_ratios(off: dict, on: dict) -> dict:

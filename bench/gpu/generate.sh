@@ -26,18 +26,24 @@
 # with FlexAttention, the layers compiled without and with freezing (q/k/v and gate/up one matmul each; a line of
 # on/off ratios), and the GPU tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
+# or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
+# under each inductor setting of INDUCTOR (default: as is; Triton GEMM templates, whose epilogues fuse what follows
+# a matmul; those plus coordinate-descent tuning: bench/decode_profile.py --inductor), then the batched engine on
+# 4,096 ShareGPT first turns (its prefills compiled since 79cc596):
+#   bash bench/gpu/generate.sh autotune
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real|quick|batched|rounds) ;;
+  random|part0|real|quick|batched|rounds|autotune) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
 if [ "$mode" = part0 ]; then
   stash_part0
   exit 0
-elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ] || [ "$mode" = rounds ]; then
+elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ] || [ "$mode" = rounds ] \
+    || [ "$mode" = autotune ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -56,6 +62,14 @@ P=$(carried sharegpt_prompts.jsonl.gz)
 if [ "$mode" = batched ]; then
   run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention ${ATTN:-flex,sdpa} \
     --batched ${ROWS:-256,1024,2048} --live ${LIVE:-256,1024}
+  collect
+  exit 0
+fi
+if [ "$mode" = autotune ]; then
+  run profile timeout 420 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
+    --inductor "${INDUCTOR:-default;max_autotune_gemm=True;max_autotune_gemm=True,coordinate_descent_tuning=True}"
+  run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
+    --max-new-tokens 256 --methods engine
   collect
   exit 0
 fi

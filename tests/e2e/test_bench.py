@@ -212,11 +212,13 @@ def test_eval_speedup_smoke(tmp_path):
 
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
-    profiled): every loop decodes what plain decoding does on a tiny random Llama."""
-    rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa"], tmp_path)
-    (r,) = rows
-    assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
-    assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0
+    profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant."""
+    rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
+                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True"], tmp_path)  # fmt: skip
+    assert [r["inductor"] for r in rows] == ["default", "max_autotune_gemm=True,coordinate_descent_tuning=True"]
+    for r in rows:
+        assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
+        assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0
 
 
 def test_decode_profile_batched_smoke(tmp_path):
