@@ -304,3 +304,40 @@ def test_gguf_weights_cache_loads_the_same_model(smollm2_path, tmp_path):
         assert torch.equal(first(x).logits, again(x).logits)
     build_text_model(info, dtype=torch.float16)  # another dtype is another copy, but only inside the block
     assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_gguf_tokenizer_is_kept_beside_the_weights(smollm2_path, tmp_path, monkeypatch):
+    """Inside gguf_weights_cache, SmolLM2's tokenizer is built from the GGUF once and kept: a later process (the
+    in-process cache emptied) loads the copy without reading the GGUF, with the same ids, chat template and
+    end-of-turn ids; outside the block nothing is kept."""
+    import json as _json
+
+    import transformers
+
+    from eyas.data.chat import end_of_turn_ids
+    from eyas.verifier import load
+    from eyas.verifier.load import gguf_weights_cache, load_tokenizer
+
+    texts = ["Hello, café ☕", "def f(x):\n    return x  # tabs\tand\nlines", "<|im_start|>user\nhi<|im_end|>"]
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    load._TOKENIZERS.clear()
+    with gguf_weights_cache(tmp_path / "cache"):
+        first = load_tokenizer(str(smollm2_path))
+        (kept,) = (tmp_path / "cache").iterdir()  # one whole copy, no temporary folder left
+        load._TOKENIZERS.clear()
+        real = transformers.AutoTokenizer.from_pretrained
+
+        def no_gguf(*args, **kwargs):
+            assert "gguf_file" not in kwargs, "read the GGUF again"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
+        again = load_tokenizer(str(smollm2_path))
+    assert kept.name.startswith("tokenizer-") and _json.loads((kept / "tokenizer_config.json").read_text())
+    assert first(texts)["input_ids"] == again(texts)["input_ids"]
+    assert first.apply_chat_template(chat, tokenize=False) == again.apply_chat_template(chat, tokenize=False)
+    assert end_of_turn_ids(first) == end_of_turn_ids(again)
+    load._TOKENIZERS.clear()
+    monkeypatch.undo()
+    load_tokenizer(str(smollm2_path))  # outside the block: from the GGUF, nothing kept
+    assert len(list((tmp_path / "cache").iterdir())) == 1
