@@ -117,6 +117,7 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu:
     if runs:
         result["train"] = {"mode": "online", "runs": runs}
     sets: dict[str, dict] = {}
+    eval_seconds: dict[str, dict] = {}
     device = None
     for name, prompt_set in REPORTS.items():
         report = _read(run / "eval" / name)
@@ -125,7 +126,11 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu:
         device = device or {k: report.get(k) for k in ("device", "gpu", "dtype", "cuda_graphs", "compile", "versions")}
         for k, m in _by_k(report).items():
             sets.setdefault(prompt_set, {})[f"K={k}"] = _measurement(m, report)
+        if report.get("seconds"):  # where the eval's time went: load, graphs, decoding (each loop's own clock)
+            eval_seconds[prompt_set] = report["seconds"]
     result["eval"] = sets
+    if eval_seconds:
+        result["eval_seconds"] = eval_seconds
     if device is not None and gpu:  # a report of an eval that did not record its card yet
         device["gpu"] = device.get("gpu") or gpu
     result["device"] = device

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -202,21 +203,34 @@ def run(c: EvalConfig) -> dict[str, Any]:
     if c.out and (old := _existing_report(c.out, measured)) is not None:
         print(f"eval: {report_paths(c.out)[0]} already measures this draft on these prompts; skipping")
         return old
+    clock = [time.perf_counter()]  # where eval's time goes, stage by stage (the report's `seconds`)
+
+    def lap() -> float:
+        clock.append(time.perf_counter())
+        return round(clock[-1] - clock[-2], 2)
+
     env = setup(verifier=c.verifier, draft=c.draft, device=c.device, dtype=c.dtype, seed=c.seed,
                 trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)  # fmt: skip
+    seconds = {"load": lap()}
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
     bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
     runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
                             compile=c.compile, fused_rounds=c.fused_rounds,
                             freeze=None if c.freeze else False)  # fmt: skip
     graphs = runners.base.graphs.enabled
+    seconds["build"] = lap()  # the caches and the graphs of every loop, compiling included
     m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
+    seconds["decode"] = lap()
+    # of which the decoding loops' own clocks (the rest: prompts' prefills, templates, graphs of new shapes)
+    seconds["decode_plain"] = round(m.base_seconds, 2)
+    seconds["decode_speculative"] = round(sum(x.seconds for x in m.spec.values()), 2)
     if c.temperature == 0 and (c.recheck_fp32 or (env["model"].dtype != torch.float32
                                                    and fp32_copy_fits(env["model"]))):  # fmt: skip
         # a difference the logit gap calls real is decoded again in fp32 by default (where an fp32 copy of the
         # verifier is cheap): rare, and the lossless verdict must not blame the loop for the dtype's rounding
         recheck_fp32_turns(env, m, max_new_tokens=c.max_new_tokens, bound=bound, only_real=not c.recheck_fp32)
+        seconds["recheck_fp32"] = lap()
     by_k = {K: summarize(m, draft_tokens=K, temperature=c.temperature, baseline=c.baseline) for K in Ks}
     template_sha = chat_template_hash(tokenizer)
     K = Ks[0]
@@ -244,6 +258,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "seed": c.seed,
         "versions": versions(),
         "measured_sha256": measured,
+        "seconds": {**seconds, "total": round(time.perf_counter() - clock[0], 2)},
     }
     if len(Ks) > 1:
         report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
@@ -340,6 +355,11 @@ def _print_report(r: dict[str, Any]) -> None:
     if r["baseline_tokens_per_s"]:
         speed += f"  vs plain {r['baseline_tokens_per_s']:.1f}: speedup {r['speedup']:.2f}x"
     rows.append(("speed", speed))
+    if r.get("seconds"):
+        t = r["seconds"]
+        rows.append(("time", f"{t['total']:.1f} s: load {t['load']:.1f}, graphs {t['build']:.1f}, decoding "
+                              f"{t['decode']:.1f} (plain loop {t['decode_plain']:.1f}, speculative "
+                              f"{t['decode_speculative']:.1f})"))  # fmt: skip
     for k, x in (r.get("by_draft_tokens") or {}).items():
         line = f"tau {x['tau']:.3f}"
         if x["speedup"]:
