@@ -138,7 +138,7 @@ def test_flex_attends_the_whole_buffer_at_every_position(make_tiny):
 
 
 def test_sampling_follows_the_distribution_and_ignores_the_batch():
-    """Gumbel-max over counter-based noise: over 4000 seeds the samples of softmax(l / T) pass a chi-square test,
+    """The inverse CDF at counter-based uniforms: over 4000 seeds the samples of softmax(l / T) pass a chi-square test,
     and a row's token depends only on its seed, position and logits, not on the rows beside it."""
     torch.manual_seed(0)
     logits = torch.randn(12) * 2

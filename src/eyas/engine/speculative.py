@@ -306,7 +306,7 @@ def plain_generate(verifier: SequenceDecoder, prompt_ids: list[int], *, max_new_
                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:  # fmt: skip
     """Plain decoding, one verifier forward per token (the baseline, and the reference for losslessness): the
     prompt's forward, then :meth:`SequenceDecoder.decode` (each step a graph with the token's pick inside, the
-    host reading tokens a block at a time). At ``T > 0`` the steps sample by the Gumbel-max trick keyed by a
+    host reading tokens a block at a time). At ``T > 0`` the steps sample at a uniform keyed by a
     seed drawn from ``generator`` (:func:`eyas.engine.generate.pick_tokens`)."""
     dev = verifier.device
     _sync(dev)
