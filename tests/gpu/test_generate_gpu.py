@@ -143,8 +143,11 @@ def test_frozen_layers_decode_as_eager(make_tiny):
     """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants: q/k/v and
     gate/up one matmul each; `eyas eval --freeze`, where the copies are cheap): plain decoding and speculative
     rounds (round by round and each round one graph) decode what eager forwards decode (fp32), nothing fell
-    back, and the plain step's compiled layers hold 4 matmuls a layer."""
-    from inductor_code import matmuls, output_code
+    back, and every compiled version of a layer in the plain step holds 4 matmuls (7 unfrozen). A layer may
+    compile more than one version: the `kernels` package's context variable, which transformers' attention
+    forward sets, changes value after the first compiled call and fails its guard once (12 versions for 8
+    layers on an H100)."""
+    from inductor_code import MATMUL, output_code
 
     from eyas.engine.generate import SequenceDecoder
     from eyas.engine.graphs import freeze_fits
@@ -158,7 +161,8 @@ def test_frozen_layers_decode_as_eager(make_tiny):
     eager = SequenceDecoder(model, capacity=400, cuda_graphs=False)
     prompts = _prompts(3, seed=9)
     got, codes = output_code(lambda: plain_generate(frozen, prompts[0], max_new_tokens=100, eos_ids=set()).tokens)
-    assert matmuls(codes) == 4 * len(layers)  # the one-token step's layers, one version each (7 a layer unfrozen)
+    per_version = [len(MATMUL.findall(c)) for c in codes if MATMUL.search(c)]  # the one-token step's layers
+    assert set(per_version) == {4} and len(per_version) >= len(layers), per_version
     assert got == plain_generate(eager, prompts[0], max_new_tokens=100, eos_ids=set()).tokens
     draft = random_draft(info, seed=0, device="cuda")
     draft.t2d.fill_(True)
