@@ -495,7 +495,8 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
     assert saved["tau"] == pytest.approx(report["tau"]) and saved["tau"] > 1.5
     assert saved["baseline_tokens_per_s"] > 0 and saved["tokens_per_s"] > 0
     t = saved["seconds"]  # where the time went: the loops' own clocks inside the decoding, inside the total
-    assert t["decode_plain"] + t["decode_speculative"] <= t["decode"] <= t["total"] and t["decode_plain"] > 0
+    assert t["decode_plain"] + t["decode_speculative"] <= t["decode"] + 0.02 and t["decode"] <= t["total"]  # rounded
+    assert t["decode_plain"] > 0
     assert t["load"] + t["build"] + t["decode"] <= t["total"] + 0.05 and "time" in printed
     assert (tmp_path / "r_accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

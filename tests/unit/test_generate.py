@@ -524,3 +524,31 @@ def test_compiled_prefills_equal_greedy_generate(make_tiny, name):
     for r in reqs:
         assert got[r.key] == _hf_greedy(reference, r.tokens, 5, set()), f"{name}: request {r.key}"
     assert dec.stats["prefills"] >= 4 and len(set(seen)) == 1 and seen[0] > 0  # compiled once, at the first
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the short prompt
+def test_compiled_prompt_forwards_equal_eager(make_tiny):
+    """A single sequence's prompt forwards (eval's turns) with the layers compiled with symbolic shapes give eager's
+    logits and aux hidden states over prompts of several lengths, compiling once for all of them; a prompt as
+    short as FlexAttention's decoding shapes stays eager."""
+    from torch._dynamo.utils import counters
+
+    from eyas.engine.generate import SequenceDecoder
+    from eyas.engine.slots import FLEX_MAX_NEW
+
+    t = make_tiny("llama")
+    model = build_text_model(resolve(t.path))
+    eager = SequenceDecoder(model, capacity=256, aux_layer_ids=[0, 1, 2], cuda_graphs=False)
+    compiled = SequenceDecoder(model, capacity=256, aux_layer_ids=[0, 1, 2], cuda_graphs=False, attention="flex")
+    compiled.compile_prompts = True  # as on CUDA with graphs on
+    torch._dynamo.reset()
+    seen = []
+    for n in (40, 57, 23, 90, FLEX_MAX_NEW):
+        ids = torch.tensor(_prompts(1, seed=n, longest=200)[0][:1] * n)
+        want, want_aux = eager.forward(ids, 0)
+        got, got_aux = compiled.forward(ids, 0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_aux, want_aux, rtol=1e-4, atol=1e-5)
+        seen.append(counters["stats"]["unique_graphs"])
+    # one compile for the four long ones (the short one compiles FlexAttention's own kernel, eagerly called)
+    assert compiled.compile_prompts and seen[0] > 0 and len(set(seen[:4])) == 1, seen

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from eyas.core.errors import EyasError, brief
-from eyas.engine.graphs import Graphs, compiled_layers, freeze_fits
+from eyas.core.errors import EyasError
+from eyas.engine.graphs import Graphs, freeze_fits, run_dynamic
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
 
@@ -50,7 +50,8 @@ class SequenceDecoder:
 
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
     plain decoding step over one, each a CUDA graph per key length (:meth:`Slots.key_length`; its layers compiled with
-    ``compile``); a prompt of any length runs eagerly. ``freeze`` compiles the layers with their weights as
+    ``compile``); a prompt of any length runs its layers compiled with symbolic shapes where those compile
+    (:func:`eyas.engine.graphs.run_dynamic`), else eagerly. ``freeze`` compiles the layers with their weights as
     constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); ``None``
     freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
     the few shapes compiled a small part of the free GPU memory).
@@ -80,6 +81,8 @@ class SequenceDecoder:
             freeze = compile and cuda_graphs and freeze_fits(model.base_model.layers, shapes=shapes)
         self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None,
                              freeze=freeze)  # fmt: skip
+        # prompts' forwards compiled too (symbolic shapes, one compile for every length) where the graphs compile
+        self.compile_prompts = self.graphs.compile_model is not None
         self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length
         self._pos: dict[int, torch.Tensor] = {}
         # plain decoding's state on the device: the token fed next, its position (the slot's start: a view),
@@ -155,7 +158,14 @@ class SequenceDecoder:
             return logits.float(), None if aux is None else aux.clone()
         pos = torch.arange(start, start + T, device=self.device)[None]
         with self.session():
-            logits, aux = self._forward(input_ids[None], pos, 1 if last_only else 0)
+            # a prompt through layers compiled with symbolic shapes, where the graphs compile; one as short as
+            # FlexAttention's decoding shapes stays eager (a compiled layer would trace its attention)
+            short = slots.flex_runs(T)
+            (logits, aux), compiled = run_dynamic(
+                self.model, lambda: self._forward(input_ids[None], pos, 1 if last_only else 0),
+                compile=self.compile_prompts and not short)  # fmt: skip
+            if not short:
+                self.compile_prompts = compiled
         return logits.float(), aux
 
     def _decode_step(self, temperature: float) -> None:
@@ -460,18 +470,11 @@ class BatchDecoder:
 
     def _prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The packed prompts' forward ``ids [1, B*Tp]`` -> the logits at ``ends`` ``[B, V]``; its layers
-        compiled where :attr:`compile_prefill` (a compiler error: eagerly from then on, after one note)."""
-        forward = functools.partial(self.model, input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=ends)
-        if self.compile_prefill:
-            try:
-                with compiled_layers(self.model, dynamic=True):
-                    return forward().logits[0]
-            except Exception as e:  # the keys and values it wrote are written again, the same, below
-                import sys
-
-                print(f"eyas: prefills without torch.compile ({brief(e)})", file=sys.stderr)
-                self.compile_prefill = False
-        return forward().logits[0]
+        compiled where :attr:`compile_prefill` (:func:`eyas.engine.graphs.run_dynamic`)."""
+        out, self.compile_prefill = run_dynamic(
+            self.model, lambda: self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=ends),
+            compile=self.compile_prefill)  # fmt: skip
+        return out.logits[0]
 
     # ------------------------------------------------------------------ the loop
 
