@@ -70,6 +70,7 @@ def test_row_count_graphs_equal_eager(make_tiny, monkeypatch, attention):
     graphed = {c.key: c.tokens for c in dec.run(RequestQueue(reqs))}
     assert graphed == eager
     assert dec.graphs.enabled and dec.graphs.compile_model is not None  # no fallback
+    assert dec.compile_prefill  # the prefills ran compiled (symbolic shapes) all along
     rows = {k[1] for k in dec.graphs.graphs}
     assert 8 in rows and rows & {2, 4}, rows  # the row count fell as the slots drained
 
@@ -107,8 +108,10 @@ def test_speculative_graphs_equal_eager(make_tiny, fused):
                 assert s.tokens == b.tokens
                 runs.append((s.tokens, s.accepted))
         out[graphs] = runs
-        # every decoder still on its graphs after the run (a failed capture falls back to eager with a note)
+        # every decoder still on its graphs after the run (a failed capture falls back to eager with a note), and
+        # the prompts' forwards still compiled (symbolic shapes) where the graphs are
         assert r.base.graphs.enabled == r.spec.graphs.enabled == r.draft.graphs.enabled == graphs
+        assert r.base.compile_prompts == r.spec.compile_prompts == graphs
         assert all(g.graphs.enabled == graphs for g in r.draft._rounds.values())
     assert out[True] == out[False]
 
