@@ -117,12 +117,16 @@ class Runners:
         verification length at every key-length bucket up to the capacity (through FlexAttention one key length
         serves them all: the rest replay), each K's catch-up over the K + 1 positions a round feeds, the draft's
         drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's round at
-        every bucket. (Eager decoding, as on CPU, has nothing to prepare.)"""
-        from eyas.engine.slots import KEY_BUCKETS
+        every bucket; and the prompts' forward, compiled with symbolic shapes, so that no turn's timing holds
+        its compile. (Eager decoding, as on CPU, has nothing to prepare.)"""
+        from eyas.engine.slots import FLEX_MAX_NEW, KEY_BUCKETS
 
         if not self.base.graphs.enabled:
             return
         cap = self.spec.capacity
+        prompt = torch.arange(1, min(cap, 2 * FLEX_MAX_NEW + 1) + 1, device=self.spec.device)
+        for decoder in (self.base, self.spec):  # the second one's hidden-state capture included
+            decoder.forward(prompt, 0, last_only=True)
         starts = sorted({min(b, cap) for b in KEY_BUCKETS if b < cap} | {cap})
         Kmax = max(self.draft_tokens)
         ids = torch.arange(1, Kmax + 2, device=self.spec.device)
