@@ -396,7 +396,8 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
             journal.append({"i": i, "record": record, "counts": c})
             del answers[i], counts[i]
             bar.update(1)
-            bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
+            # shown at the bar's own refresh: redrawing it for every conversation cost 45 us each, host time
+            bar.set_postfix(tokens_per_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
     return new_tokens
 
 
