@@ -403,7 +403,8 @@ _NOT_RECORDED = (MANIFEST, LOCK, MARK, ".parts", "checkpoints", "tensorboard")
 _HASHED: dict[tuple[str, int, int], str] = {}
 
 
-def _sha256_cached(p: Path) -> str:
+def sha256_cached(p: Path) -> str:
+    """The sha256 of the file ``p``, read once per process while its size and modification time stay."""
     st = p.stat()
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _HASHED:
@@ -418,7 +419,7 @@ def _inventory(folder: Path, hashed: dict[str, str]) -> dict[str, dict[str, Any]
         rel = p.relative_to(folder)
         if rel.parts[0] in _NOT_RECORDED or any(part.startswith(".") for part in rel.parts) or not p.is_file():
             continue
-        files[rel.as_posix()] = {"bytes": p.stat().st_size, "sha256": hashed.get(rel.as_posix()) or _sha256_cached(p)}
+        files[rel.as_posix()] = {"bytes": p.stat().st_size, "sha256": hashed.get(rel.as_posix()) or sha256_cached(p)}
     return files
 
 
@@ -436,6 +437,6 @@ def damaged_file(folder: str | os.PathLike, manifest: dict[str, Any]) -> str | N
         size = p.stat().st_size
         if size != want.get("bytes"):
             return f"{rel} has {size} bytes, not the {want.get('bytes')} its manifest records"
-        if _sha256_cached(p) != want.get("sha256"):
+        if sha256_cached(p) != want.get("sha256"):
             return f"{rel} is not the file its manifest records (another sha256)"
     return None

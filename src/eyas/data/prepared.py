@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from eyas.core.errors import EyasError
 from eyas.core.files import atomic_path
-from eyas.core.manifest import read_manifest
+from eyas.core.manifest import damaged_file, read_manifest
 
 #: the dataset folder of a prepared output
 PREPARED_ROWS = "rows"
@@ -88,6 +88,11 @@ def load_prepared(path: str | os.PathLike):
         raise EyasError(f"{rows_dir} is missing: {path} is not a finished `eyas prepare` output; run it again")
     if manifest.get("outputs", {}).get("rows") == 0:
         raise EyasError(f"{path} holds no rows: there is nothing to train on or count; prepare more data")
+    # every file whole before Arrow maps it: Arrow trusts a memory-mapped file's offsets, and a damaged one read
+    # past its buffers (a segmentation fault in `eyas vocab`, not an error)
+    damaged = damaged_file(path, manifest)
+    if damaged is not None:
+        raise EyasError(f"{rows_dir} is damaged ({damaged}): run `eyas prepare` again")
     try:
         ds = datasets.load_from_disk(str(rows_dir))
     except Exception as e:  # noqa: BLE001 (Arrow, JSON and datasets' own errors all mean the same damaged folder)
@@ -150,9 +155,9 @@ class PreparedReader:
     def file_hashes(self) -> list[str]:
         """The sha256 of each of the dataset's Arrow files, in order (read once)."""
         if self._hashes is None:
-            from eyas.core.files import sha256_file
+            from eyas.core.manifest import sha256_cached
 
-            self._hashes = [sha256_file(f) for f in self._files]
+            self._hashes = [sha256_cached(Path(f)) for f in self._files]  # hashed once, by load_prepared's check
         return self._hashes
 
     def identity(self) -> dict[str, Any]:
