@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from eyas.core.errors import EyasError
+from eyas.core.files import atomic_path
 from eyas.verifier.locate import DEMO_VERIFIER, locate_checkpoint, weight_refs
 from eyas.verifier.info import TensorRef, VerifierInfo, gguf_reader, resolve, transformers_text_config
 
@@ -253,17 +254,11 @@ def _from_gguf(info: VerifierInfo, kwargs: dict[str, Any], *, cache: bool):
         folder.parent.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder.parent).free < 2 * size:  # a copy must not fill the disk a run writes to
             return model, loading
-        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the copy holds plain weights
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as transformers reads them back
-        try:
-            tmp.rename(folder)  # whole or not at all; another process may have put its copy there first
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_path(folder, is_dir=True) as tmp:  # whole or not at all
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            save_model(model, str(tmp / "model.safetensors"))  # tied weights once, as transformers reads them back
     return model, loading
 
 
@@ -385,7 +380,6 @@ def _gguf_tokenizer(info: VerifierInfo):
     GGUF's metadata in 3.7 s for SmolLM2 (2-core CPU), a saved copy loads in 0.24 s (the same ids for 2,000
     ShareGPT texts, the same template and special tokens), and every call of a resumed `eyas run` loads it."""
     import hashlib
-    import shutil
 
     from transformers import AutoTokenizer
 
@@ -396,13 +390,8 @@ def _gguf_tokenizer(info: VerifierInfo):
     if (folder / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(info.checkpoint_dir, gguf_file=info.gguf_file)
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)  # whole or not at all; another process may have put its copy there first
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_path(folder, is_dir=True) as tmp:  # whole or not at all
+        tok.save_pretrained(tmp)
     return tok
 
 
