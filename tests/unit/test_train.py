@@ -107,12 +107,15 @@ def test_row_counts_match_the_step_masks():
 
 
 def test_online_equals_offline(inputs, tmp_path):
-    """The verifier in the loop gives the loss and the weights that stored features give."""
+    """The verifier in the loop gives the loss and the weights that stored features give (also with the step's
+    phases timed, which syncs at each)."""
     kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], epochs=1, max_steps=4, val_ratio=0.0, **COMMON)
     train(data=inputs["features"], out=str(tmp_path / "offline"), **kw)
-    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), **kw)
+    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), profile_every=1, **kw)
     off, on = _records(tmp_path / "offline"), _records(tmp_path / "online")
     assert [r["step"] for r in off] == [r["step"] for r in on] == [2, 4]
+    phases = ("data", "verifier", "targets", "forward", "backward", "optimizer")
+    assert all(r[f"ms_{p}"] > 0 for r in on for p in phases) and not any("ms_verifier" in r for r in off)
     for a, b in zip(off, on):
         for k in range(3):
             assert a[f"loss_{k}"] == pytest.approx(b[f"loss_{k}"], rel=1e-5)

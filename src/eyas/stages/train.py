@@ -236,7 +236,8 @@ class TrainConfig(StageConfig):
         0,
         recorded=False,
         range=AT_LEAST_0,
-        help="every N steps, sync at phase boundaries and log data/forward/backward/optimizer times.",
+        help="every N steps, sync at phase boundaries and log data/verifier/targets/forward/backward/optimizer "
+        "times (ms; verifier: the online forward).",
     )
     loss_chunk_tokens: int = option(
         CHUNK_TOKENS,

@@ -284,9 +284,13 @@ class Trainer:
             last[mb["dst"]] = h.reshape(-1, H)[mb["src"]].to(self.compute_dtype)
         return aux.view(B, S, 3 * H), last.view(B, S, H)
 
-    def _forward(self, mb: dict[str, torch.Tensor], denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, mb: dict[str, torch.Tensor], denom: torch.Tensor, timer: _Timer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         aux, last = self._features(mb)
+        timer.mark("verifier")  # online: the verifier's forward; offline: the features' gather only
         targets = self.head(last.flatten(0, 1), pad=self.c.ttt_steps, rows=mb.get("target_rows"))
+        timer.mark("targets")
         with self.autocast:
             return self.model(mb["input_ids"], mb["doc_ids"], mb["position_ids"], aux, mb["loss_mask"],
                               targets.logits, targets.argmax, targets.in_vocab, denom,
@@ -333,7 +337,7 @@ class Trainer:
         denom, mbs = item["denom"], item["micro_batches"]
         for i, mb in enumerate(mbs):
             with self._sync(i == len(mbs) - 1):
-                loss, stats = self._forward(mb, denom)
+                loss, stats = self._forward(mb, denom, timer)
                 timer.mark("forward")
                 (loss * self.loss_factor).backward()
                 timer.mark("backward")
@@ -359,7 +363,7 @@ class Trainer:
         for item in tqdm(items, total=len(self.val_plan), desc="validate", unit="step", leave=False,
                          disable=not self.d.is_main, dynamic_ncols=True):  # fmt: skip
             for mb in item["micro_batches"]:
-                loss, stats = self._forward(mb, item["denom"])
+                loss, stats = self._forward(mb, item["denom"], _Timer(self.device, False))
                 meter.add(loss, stats)
         return meter.collect(self.d)
 
@@ -519,7 +523,7 @@ class Trainer:
         rec = {"split": "train", "step": self.global_step, "epoch": self.epoch, "lr": self.optimizers[-1].param_groups[0]["lr"],
                "grad_norm": m["grad_norm"], "tokens_per_s": m["tokens"] / max(seconds, 1e-9), **flat_metrics(m)}  # fmt: skip
         if self.timings:
-            for name in ("data", "forward", "backward", "optimizer"):
+            for name in dict.fromkeys(k for t in self.timings for k in t):  # the phases in the order marked
                 rec[f"ms_{name}"] = sum(t.get(name, 0.0) for t in self.timings) / len(self.timings)
         log.record(rec)
         self.last_train = m
