@@ -19,6 +19,15 @@
 #                                     those conversations, both drafts measured by eyas eval on MT-Bench
 #                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags) for at most $BUDGET
 #                                     seconds; call again to resume. $OUT/headtohead.json once done.
+#   bash bench/gpu/quality.sh predict once $R holds a trained draft (a finished run on this warm machine): whether
+#                                     validation-style prediction equals decoding (issue item "prediction equals
+#                                     reality"): the verifier answers MT-Bench itself (both turns, greedy, loops
+#                                     kept, the eval's 256 new tokens a turn), those answers are prepared and their
+#                                     features extracted, and `eyas eval --offline` decodes MT-Bench with the draft
+#                                     beside the tau its TTT accuracy predicts over the same turns
+#                                     (`predicted_tau_walk`: exact against decoding on CPU in fp32). $OUT/predict.json.
+#                                     PREDICT_PROMPTS: a seeded sample of MT-Bench instead of all 80;
+#                                     PREDICT_TOKENS: new tokens a turn (default 256, as the recipe's eval).
 # Settings: CONFIG (default configs/smollm2-gpu.toml), SET (more `eyas run --set` overrides, comma-separated:
 # sizes for a smaller run or a CPU dry run), UNTIL (stop after this stage: a call that should not start an eval
 # it cannot finish, since an eval starts over when cut), COMMIT (recorded in the results), BUDGET (seconds of this call), R (the run folder, default /tmp/q),
@@ -36,8 +45,8 @@ D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
 R=${R:-/tmp/q}; BUDGET=${BUDGET:-570}; CONFIG=${CONFIG:-configs/smollm2-gpu.toml}; PY=${PYTHON:-python3}
 case "${1:-}" in
   part0) install_wheels; stash_part0; exit 0 ;;
-  run|headtohead) ;;
-  *) echo "usage: bash bench/gpu/quality.sh part0|run|headtohead" >&2; exit 2 ;;
+  run|headtohead|predict) ;;
+  *) echo "usage: bash bench/gpu/quality.sh part0|run|headtohead|predict" >&2; exit 2 ;;
 esac
 [ -n "${GGUF_FILE:-}" ] || join_gguf
 # the named eval sets from the carried files, where eyas looks for a named set's package when it is not installed
@@ -69,6 +78,29 @@ if [ "$1" = headtohead ]; then
     *) echo "the head to head failed: see headtohead.log" | tee -a "$OUT/status.txt"; exit 1 ;;
   esac
   exit 0
+fi
+if [ "$1" = predict ]; then
+  { [ -e "$R/draft/config.json" ] && [ ! -e "$R/draft/.eyas-unfinished" ]; } || { echo "no trained draft in" \
+    "$R/draft: run \`quality.sh run\` until training is done first" | tee -a "$OUT/status.txt"; exit 1; }
+  P=$R/predict; t0=$SECONDS
+  step() {  # step NAME ARGS...: one eyas stage under the budget left (a rerun skips what is done)
+    local name=$1; shift
+    timeout -k 30 $((BUDGET - (SECONDS - t0))) $PY -m eyas.cli "$name" --verifier "$GGUF" "$@" >> "$P.log" 2>&1
+    local rc=$?
+    echo "[predict: $name] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/status.txt"
+    return $rc
+  }
+  N=${PREDICT_TOKENS:-256}; SAMPLE=${PREDICT_PROMPTS:+--max-samples $PREDICT_PROMPTS}  # the same seeded sample
+  step regenerate --data mt-bench --out "$P/answers" --max-new-tokens $N --loops keep $SAMPLE \
+    && step prepare --data "$P/answers" --out "$P/prepared" \
+    && step extract --data "$P/prepared" --out "$P/features" \
+    && step eval --draft "$R/draft" --prompts mt-bench --max-new-tokens $N --draft-tokens 3 --no-baseline \
+         ${PREDICT_PROMPTS:+--num-prompts $PREDICT_PROMPTS} --offline "$P/features" --offline-rows 1000 \
+         --out "$P/eval.json"
+  rc=$?
+  tr "\r" "\n" < "$P.log" | grep -v "it/s\]$" | tail -n 30 >> "$OUT/status.txt"
+  [ $rc = 0 ] && cp "$P/eval.json" "$OUT/predict.json" && echo "predict done: $OUT/predict.json" | tee -a "$OUT/status.txt"
+  exit $rc
 fi
 t0=$SECONDS
 timeout -k 30 "$BUDGET" $PY -m eyas.cli run "$CONFIG" --verifier "$GGUF" --out "$R" --set "$SETS" ${UNTIL:+--until $UNTIL} \

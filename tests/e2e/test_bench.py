@@ -130,6 +130,9 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     to call again; the next call finishes the run; one more skips every stage and gathers the same results."""
     data, sets = _quality_data(tmp_path)
     verifier = make_tiny("llama").path
+    small = {"PREDICT_PROMPTS": "2", "PREDICT_TOKENS": "8"}
+    early = _quality_sh(tmp_path, verifier, data, tmp_path / "out0", 900, sets, sub="predict", **small)
+    assert early.returncode == 1 and "no trained draft" in early.stdout, early.stdout + early.stderr
     cut = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 2, sets)
     assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, until="train", keep_data="1")
@@ -175,6 +178,13 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     (pt,) = json.loads(curve.read_text())
     assert pt["mt-bench"]["tau"] == got["eval"]["mt-bench"]["K=3"]["tau"] and pt["steps"] == 2
     assert "| toy |" in shown.stdout and png.stat().st_size > 1000
+    # predict: MT-Bench's own answers (the eval's sample and length), their features, eval --offline beside decoding
+    pred = _quality_sh(tmp_path, verifier, data, tmp_path / "out-predict", 900, sets, sub="predict", **small)
+    assert pred.returncode == 0 and "predict done" in pred.stdout, pred.stdout + pred.stderr
+    rep = json.loads((tmp_path / "out-predict" / "predict.json").read_text())
+    answers = [json.loads(x) for x in (tmp_path / "q" / "predict" / "answers" / "conversations.jsonl").open()]
+    assert rep["num_prompts"] == len(answers) == 2 and rep["offline"]["rows"] == 2
+    assert rep["offline"]["rows_from"] == "unseen" and rep["predicted_tau_walk"] >= 1
     again = _quality_sh(tmp_path, verifier, data, tmp_path / "out3", 900, sets)
     assert again.returncode == 0, again.stdout + again.stderr
     log = (tmp_path / "q" / "run.log").read_text()
