@@ -473,3 +473,26 @@ def test_variant_flags_train_a_draft_that_loads_and_exports(inputs, tmp_path):
                       "num_layers = 2\n")  # fmt: skip
     (_, _, [(stage, _, c)]) = check(str(config))
     assert stage == "train" and (c.fc_norm, c.draft_arch, c.num_layers) == (True, "qwen3", 2)
+
+
+def test_time_limit_sigterm_ends_training_quietly(inputs, tmp_path):
+    """A time limit's SIGTERM goes to the whole process group (`timeout`, batch schedulers): the loader's worker
+    processes get it too. `eyas run` ends as after Ctrl-C, with its one line saying to run it again, and no
+    worker's death as a traceback before it."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'out = "{tmp_path / "run"}"\nverifier = "{inputs["verifier"]}"\n[train]\n'
+        f'data = "{inputs["features"]}"\nvocab = "{inputs["vocab"]}"\nepochs = 1000\nmax_seq_len = 64\n'
+        "num_workers = 2\nsave_every = 1\nlog_every = 1\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", "run", str(config)], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.time() + 120
+    out = tmp_path / "run" / "draft"
+    while not (out.exists() and len(checkpoint_dirs(out)) >= 2) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130 and "interrupted; run the same command again" in err, err[-3000:]
+    assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -599,7 +600,7 @@ class Trainer:
         }
         if self.timings:
             out["ms_per_step"] = {k: float(np.median([t.get(k, 0.0) for t in self.timings]))
-                                  for k in ("data", "forward", "backward", "optimizer")}  # fmt: skip
+                                  for k in dict.fromkeys(k for t in self.timings for k in t)}  # fmt: skip
         if self.cuda:
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
@@ -607,3 +608,8 @@ class Trainer:
 
 def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)  # loaders slice and copy; the compute threads belong to the trainer
+    # A time limit's SIGTERM reaches the whole process group (`timeout`, batch schedulers), the workers too: ended
+    # by it, a worker's death surfaced in the trainer as a RuntimeError ahead of the interrupt that stops the run
+    # cleanly. As a KeyboardInterrupt, torch's worker loop ends quietly (as on Ctrl-C) and the trainer's own
+    # interrupt handling shuts the loader down.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
