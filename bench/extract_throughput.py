@@ -43,7 +43,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.engine.extractor import plan_batches
+from eyas.data.lengths import plan_batches
 from eyas.stages.extract import (
     WINDOW_SHARDS,
     Extractor,

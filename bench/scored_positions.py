@@ -1,7 +1,9 @@
 """How much of the fused loss' work a prepared dataset lets `eyas train` skip: the share of positions some TTT
 step scores (the rest are prompts and packing padding), and the share of loss rows that still run once the
 scored positions are padded to whole chunks (``eyas.training.loss.scored_rows``), for a few packings and chunk sizes;
-and the share of positions the verifier's head still runs on for the targets (``eyas.training.loss.target_rows``).
+and the share of positions the verifier's head still runs on for the targets (``eyas.training.loss.target_rows``);
+and, online, the tokens the verifier's forwards compute on against the real ones: each row right-padded in groups of
+similar lengths (``StepData``'s ``row_groups``), against all of a micro-batch's rows padded to its longest.
 
     python bench/scored_positions.py --data PREPARED        # an `eyas prepare` output; one JSON line per setting
 """
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for chunk in a.chunks:
             data = StepData(src, plan, rank=0, grad_accum=1, max_len=max_len, seqs=batch // max_len,
                             lengths=lengths, ttt_steps=a.ttt_steps, chunk=chunk)  # fmt: skip
-            total = scored = run = positions = heads = 0
+            total = scored = run = positions = heads = real = grouped = one_batch = calls = 0
             for j in picks:
                 mb = data[j]["micro_batches"][0]
                 M = mb["loss_mask"].numel()
@@ -53,10 +55,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 run += mb["scored_rows"].numel() if "scored_rows" in mb else padded
                 positions += M
                 heads += mb["target_rows"].numel() if "target_rows" in mb else M
+                real += int(mb["row_attn"].sum())
+                grouped += sum((end - start) * width for start, end, width in mb["row_groups"].tolist())
+                one_batch += mb["row_ids"].shape[0] * int(mb["row_groups"][0, 2]) if len(mb["row_groups"]) else 0
+                calls += len(mb["row_groups"])
             res = {"bench": "scored-positions", "data": str(a.data), "max_seq_len": max_len, "batch_tokens": batch,
                    "chunk": chunk, "micro_batches": len(picks), "scored_share": round(scored / total, 3),
                    "loss_rows_share": round(run / total, 3),
-                   "target_rows_share": round(heads / positions, 3)}  # fmt: skip
+                   "target_rows_share": round(heads / positions, 3),
+                   "verifier_padding_grouped": round(grouped / max(real, 1), 3),
+                   "verifier_padding_one_batch": round(one_batch / max(real, 1), 3),
+                   "verifier_forwards_per_micro_batch": round(calls / len(picks), 2)}  # fmt: skip
             results.append(res)
             print(json.dumps(res), flush=True)
     return results

@@ -76,6 +76,13 @@ def test_scored_positions_counts_prompts_and_padding(tmp_path, make_tiny):
     assert 0.3 < by_chunk[16]["scored_share"] < 0.5  # 18-20 of each 40-token document, packing padding aside
     assert by_chunk[16]["scored_share"] <= by_chunk[16]["loss_rows_share"] < 1.0
     assert by_chunk[1024]["loss_rows_share"] == 1.0  # 128 positions: one chunk either way
+    assert by_chunk[16]["verifier_padding_grouped"] == by_chunk[16]["verifier_padding_one_batch"] == 1.0  # all 40
+    # rows of unequal lengths: the verifier's groups of similar lengths compute on less padding than one batch
+    rows = [(list(range(3, 3 + n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in [60, 5, 7, 30, 3, 12] * 4]
+    prepared = tiny.write_prepared(tmp_path / "unequal", rows, verifier=make_tiny("llama").path)
+    (r,) = _json_lines([str(BENCH / "scored_positions.py"), "--data", str(prepared), "--settings", "64:128",
+                        "--chunks", "16"], tmp_path)  # fmt: skip
+    assert 1.0 <= r["verifier_padding_grouped"] < r["verifier_padding_one_batch"], r
 
 
 def test_regenerate_throughput_smoke(tmp_path):

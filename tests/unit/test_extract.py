@@ -21,7 +21,7 @@ from eyas.engine import extractor as extractor_mod
 from eyas.cli import main as cli_main
 from eyas.core.errors import EyasError
 from eyas.stages.extract import extract, plan_shards, plan_windows
-from eyas.engine.extractor import plan_batches
+from eyas.data.lengths import plan_batches
 from eyas.data.features import FeatureReader, shard_name, verify
 
 EXACT = ["llama", "qwen3", "deepseek_v3", "kimi_like"]

@@ -16,7 +16,7 @@ import torch
 
 import tiny
 from eyas.core.errors import EyasError
-from eyas.training.batches import pack_rows, plan_epoch, row_counts
+from eyas.training.batches import Row, StepData, pack_rows, plan_epoch, row_counts
 from eyas.stages.train import train
 from eyas.training.trainer import STATE_FILE, checkpoint_dirs
 
@@ -101,6 +101,30 @@ def test_row_counts_match_the_step_masks():
         assert L == min(len(r), 16)
         m = torch.from_numpy(r[:L])[None]
         np.testing.assert_array_equal(step_masks(m, torch.zeros_like(m, dtype=torch.long), 3).sum((1, 2)), c)
+
+
+def test_online_verifier_rows_run_in_groups_of_similar_lengths():
+    """Online, the verifier runs each row alone (right-padded) in groups, longest first, each padded to its own
+    longest row, not the micro-batch's: every real token's states land where the packed batch has it."""
+    lengths = [60, 5, 7, 30, 3, 12]
+    rng = np.random.default_rng(0)
+    rows = [Row(torch.from_numpy(rng.integers(3, 500, L)), torch.ones(L, dtype=torch.bool)) for L in lengths]
+
+    class Source:
+        online = True
+
+        def row(self, i):
+            return rows[i]
+
+    data = StepData(Source(), [], rank=0, grad_accum=1, max_len=64, seqs=2, lengths=np.array(lengths))
+    mb = data.collate([[0], [1, 2, 3, 4, 5]])  # 60 tokens, then 57 in five rows
+    groups = mb["row_groups"].tolist()
+    assert groups == [[0, 2, 60], [2, 6, 12]]  # [60, 30] padded to 60, [12, 7, 5, 3] to 12: 168 tokens, not 360
+    # a stand-in for the verifier: each group's ids, as it would see them, flattened one group after another
+    out = torch.cat([mb["row_ids"][a:b, :w].reshape(-1) for a, b, w in groups])
+    assert torch.equal(out[mb["src"]], mb["input_ids"].reshape(-1)[mb["dst"]])
+    assert sorted(mb["dst"].tolist()) == torch.nonzero(mb["doc_ids"].reshape(-1) >= 0).flatten().tolist()
+    assert sorted(mb["row_attn"].sum(1).tolist()) == sorted(lengths)
 
 
 # --------------------------------------------------------------------------- training

@@ -28,6 +28,7 @@ import torch
 from eyas.data import features
 from eyas.core.errors import EyasError
 from eyas.data.features import NUM_STATES, STORAGE_DTYPES, shard_name
+from eyas.data.lengths import plan_batches
 from eyas.verifier.load import HiddenStateCapture, input_device, varying_shape_attention
 
 # Shards whose rows are sorted and batched together. Padding falls with the rows sorted at once (the benchmark's
@@ -61,19 +62,6 @@ class RowSource(Protocol):
     lengths: np.ndarray
 
     def fetch(self, start: int, end: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
-
-
-def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
-    """Positions of non-empty rows in batches: longest first, each batch padded to its first row's length and
-    holding as many rows as fit in ``batch_tokens`` (a longer row runs alone)."""
-    order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 # --------------------------------------------------------------------------- capture

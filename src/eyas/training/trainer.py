@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eyas.training.batches import Step, StepData, plan_epoch
+from eyas.training.batches import HOST_KEYS, Step, StepData, plan_epoch
 from eyas.core.errors import EyasError
 from eyas.training.loss import CHUNK_TOKENS, TargetHead, Targets, step_masks, ttt_loss
 from eyas.training.optim import build_optimizers, clip_gradients, lr_factor
@@ -279,10 +279,14 @@ class Trainer:
         aux = torch.zeros(B * S, 3 * H, dtype=self.compute_dtype, device=self.device)
         last = torch.zeros(B * S, H, dtype=self.compute_dtype, device=self.device)
         if mb["row_ids"].shape[0]:
-            a, h = forward_hidden_states(self.verifier, mb["row_ids"], layer_ids=self.layer_ids,
-                                         attention_mask=mb["row_attn"])  # fmt: skip
-            aux[mb["dst"]] = a.reshape(-1, 3 * H)[mb["src"]].to(self.compute_dtype)
-            last[mb["dst"]] = h.reshape(-1, H)[mb["src"]].to(self.compute_dtype)
+            parts_a, parts_h = [], []
+            for start, end, width in mb["row_groups"].tolist():  # rows of similar lengths, each group padded to its own
+                a, h = forward_hidden_states(self.verifier, mb["row_ids"][start:end, :width], layer_ids=self.layer_ids,
+                                             attention_mask=mb["row_attn"][start:end, :width])  # fmt: skip
+                parts_a.append(a.reshape(-1, 3 * H))  # [rows * width, 3H]
+                parts_h.append(h.reshape(-1, H))
+            aux[mb["dst"]] = torch.cat(parts_a)[mb["src"]].to(self.compute_dtype)
+            last[mb["dst"]] = torch.cat(parts_h)[mb["src"]].to(self.compute_dtype)
         return aux.view(B, S, 3 * H), last.view(B, S, H)
 
     def _forward(
@@ -300,8 +304,8 @@ class Trainer:
     def _to_device(self, item: dict[str, Any]) -> dict[str, Any]:
         """A loader item with its tensors (``denom`` and every micro-batch's) moved to the device."""
         return dict(item, denom=item["denom"].to(self.device, non_blocking=True),
-                    micro_batches=[{k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
-                                   for mb in item["micro_batches"]])  # fmt: skip
+                    micro_batches=[{k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True)
+                                    for k, v in mb.items()} for mb in item["micro_batches"]])  # fmt: skip
 
     def _prefetch(self, items: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """The loader's items with their tensors already on the device: on CUDA the next item's host-to-device
@@ -327,7 +331,7 @@ class Trainer:
             item, ready = pending
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(ready)
-            for t in [item["denom"], *(v for mb in item["micro_batches"] for v in mb.values())]:
+            for t in [item["denom"], *(v for mb in item["micro_batches"] for k, v in mb.items() if k not in HOST_KEYS)]:
                 t.record_stream(compute)  # allocated on the side stream, used (and freed) on this one
             nxt = next(items, None)
             pending = load(nxt) if nxt is not None else None
