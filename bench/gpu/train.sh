@@ -29,17 +29,23 @@
 #   bash bench/gpu/train.sh kernels     the loss chunk, the TTT attention (both dims at TTT step 2, Kimi dims at
 #                                       steps 0 and 1) and the AdamW step on their own
 #   bash bench/gpu/train.sh dist        (nvidia-h200-x2) one GPU, then DDP, then FSDP2 on both, on the same rows
+#   bash bench/gpu/train.sh online      the online trainer's verifier forward on SmolLM2-135M's architecture
+#                                       (random weights, synthetic ShareGPT-like rows, 32,768-token micro-batches):
+#                                       rows padded to the longest, the trainer's groups, and the packed sequences
+#                                       with per-row positions (bench/online_verifier.py)        about 3 min
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt, profile_*.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  tests|llama|kimi|seq8192|defaults|scored|profile|kernels|dist) ;;
+  tests|llama|kimi|seq8192|defaults|scored|profile|kernels|dist|online) ;;
   ab) [ "${2:-}" = kimi ] || [ "${2:-}" = llama8b ] || mode= ;;
   *) mode= ;;
 esac
 [ -n "$mode" ] || { sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2; }
 install_wheels
 case "$mode" in
+  online)
+    run online_verifier timeout 400 python3 bench/online_verifier.py --verifier random-smollm2 --micro-batches 40 ;;
   tests)
     run gpu_tests timeout 540 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_flex.py ;;
   llama)
