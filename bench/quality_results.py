@@ -113,7 +113,7 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu:
                      "val_acc": (o.get("val") or {}).get("acc"), "train_tau": (o.get("train") or {}).get("tau"),
                      "val_covers": {k: v for k, v in ((o.get("val") or {}).get("covers") or {}).items() if k != "what"},
                      "tokens_per_s": o.get("tokens_per_s"), "val_curve": _val_curve(m.parent),
-                     "best": o.get("best")})  # fmt: skip
+                     "best": o.get("best"), "ms_per_step": o.get("ms_per_step")})  # fmt: skip
     if runs:
         result["train"] = {"mode": "online", "runs": runs}
     sets: dict[str, dict] = {}

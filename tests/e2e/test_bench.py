@@ -187,6 +187,7 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     assert got["eval"]["mt-bench"]["K=3"]["num_prompts"] == 1 and got["eval"]["humaneval"]["K=3"]["lossless"]
     assert got["prompts"]["prompts"] == 2 and got["regenerate"]["prompts"] == 4 + 2  # ShareGPT's and its own
     assert got["train"]["runs"][0]["steps"] == 2
+    assert got["train"]["runs"][0]["ms_per_step"]["verifier"] > 0  # the recipe times its steps by phase
     assert {"prompts", "regenerate", "prepare", "vocab", "train", "eval mt-bench", "eval humaneval"} <= set(
         got["minutes_per_stage"])  # fmt: skip
     # the run as a point of the tau-against-data curve: its table row and its PNG
