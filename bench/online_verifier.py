@@ -10,7 +10,11 @@ much padding the forward computes on:
 - ``packed``: the packed ``[B, S]`` sequences themselves, rows side by side, with each row's positions starting
   at 0 and no attention mask, so transformers' masks keep every row to itself (its packed-sequence detection
   from ``position_ids``, ``transformers.masking_utils.find_packed_sequence_indices``): no padding, one forward,
-  but attention over whole sequences under a block-diagonal mask.
+  but attention over whole sequences under a block-diagonal mask;
+- ``grouped_compiled``: the trainer's groups through the verifier's decoder layers compiled with symbolic shapes
+  (``eyas.engine.graphs.compiled_layers(dynamic=True)``, the regional compile the engine's prefills use): a
+  small verifier's eager forward is bound by its element-wise kernels (RMSNorm, RoPE, SiLU in several passes
+  each), which the compiled layers fuse. Its compile is the warm-up micro-batch's.
 
 Each way's states on the real tokens are compared with ``one_batch``'s (max relative difference); tokens/s
 counts real tokens over the forward's wall time (device synced), the first micro-batch left out as warm-up.
@@ -24,6 +28,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -42,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extract_throughput import random_smollm2, synthetic_rows, tiny_verifier  # noqa: E402
 
+from eyas.engine.graphs import compiled_layers  # noqa: E402
 from eyas.training.batches import PreparedRows, Row, StepData, plan_epoch  # noqa: E402
 from eyas.verifier.info import default_aux_layer_ids  # noqa: E402
 from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
@@ -73,7 +79,7 @@ def run_way(model, mb: dict[str, torch.Tensor], layer_ids: list[int], device: to
         full = _states(model, ids, layer_ids, attention_mask=attn)  # [n, Lmax, 4H]
         rows, cols = torch.nonzero(attn, as_tuple=True)  # row-major: the rows in group order, as src lists them
         return full[rows, cols][order]
-    if way == "grouped":
+    if way in ("grouped", "grouped_compiled"):
         parts = [_states(model, ids[s:e, :w], layer_ids, attention_mask=attn[s:e, :w]).flatten(0, 1)
                  for s, e, w in mb["row_groups"].tolist()]  # fmt: skip
         return torch.cat(parts)[src][order]
@@ -117,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                           max_len=a.max_seq_len, seqs_per_micro_batch=seqs, micro_batches_per_step=1)  # fmt: skip
         data = StepData(source, plan, rank=0, grad_accum=1, max_len=a.max_seq_len, seqs=seqs, lengths=lengths)
         picks = list(range(min(a.micro_batches + 1, len(plan))))  # the first: warm-up
-        seconds = dict.fromkeys(("one_batch", "grouped", "packed"), 0.0)
-        worst = {"grouped": 0.0, "packed": 0.0}
+        seconds = dict.fromkeys(("one_batch", "grouped", "packed", "grouped_compiled"), 0.0)
+        worst = {"grouped": 0.0, "packed": 0.0, "grouped_compiled": 0.0}
         real = 0
         for j in picks:
             mb = data[j]["micro_batches"][0]
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                got[way] = run_way(model, mb, layer_ids, device, way)
+                with compiled_layers(model, dynamic=True) if way == "grouped_compiled" else contextlib.nullcontext():
+                    got[way] = run_way(model, mb, layer_ids, device, way)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t[way] = time.perf_counter() - t0
