@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from eyas.core.errors import EyasError
+from eyas.core.memory import free_memory
 from eyas.engine.graphs import Graphs, freeze_fits, run_dynamic
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
@@ -601,7 +602,7 @@ def default_batch_tokens(model, *, max_len: int, fraction: float = 0.4, cpu_toke
     p = next(model.parameters())
     if p.device.type != "cuda":
         return max(cpu_tokens, max_len)
-    free, _ = torch.cuda.mem_get_info(p.device)
+    free = free_memory(p.device)
     per_token = Slots.bytes_per_token(layer_shapes(model), p.dtype)
     return max(int(free * fraction) // per_token, max_len)
 

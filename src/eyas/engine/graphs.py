@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from eyas.core.memory import free_memory
 from eyas.core.errors import brief
 
 
@@ -172,7 +173,7 @@ _FREEZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _free_bytes(device: torch.device) -> int | None:
     """The free memory of a CUDA device; None elsewhere (nothing is compiled frozen there)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return free_memory(device) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager

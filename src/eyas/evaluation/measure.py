@@ -12,6 +12,7 @@ import torch
 
 from eyas.data.chat import encode_prompt
 from eyas.core.errors import EyasError
+from eyas.core.memory import free_memory
 from eyas.engine.generate import SequenceDecoder
 from eyas.draft.model import Eagle3Draft
 from eyas.engine.speculative import DraftRunner, acceptance_stats, plain_generate, speculative_generate
@@ -269,21 +270,13 @@ def fp32_copy_fits(model, *, fraction: float = 0.5) -> bool:
     """Whether an fp32 copy of ``model`` (what :func:`recheck_fp32_turns` builds) takes under ``fraction`` of the
     memory free where its weights are: a small verifier, on one device. A big one (or one spread over several
     devices) is not copied without being asked."""
-    import os
-
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         return False
     (device,) = devices
     need = 4 * sum(p.numel() for p in model.parameters())
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare with
-            return False
-    return need < fraction * free
+    free = free_memory(device)
+    return free is not None and need < fraction * free
 
 
 def recheck_fp32_turns(env: dict[str, Any], m: Measurement, *, max_new_tokens: int, bound: int,

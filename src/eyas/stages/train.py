@@ -284,20 +284,15 @@ def check_batch_memory(*, max_len: int, batch_tokens: int, grad_accum: int, hidd
     batch_tokens`` padded positions, each with four verifier states of ``hidden`` (and its ids, positions, masks
     and targets) on the host, and again on a GPU. A lower bound (activations come on top), so it refuses only the
     impossible: without it, ``--max-seq-len 1000000000`` is killed by the kernel at 23 GB without a word."""
-    import os
-
-    from eyas.data.features import NUM_STATES
     from eyas.core.files import human_bytes
+    from eyas.core.memory import free_memory
+    from eyas.data.features import NUM_STATES
 
     per_token = NUM_STATES * hidden * dtype.itemsize + 4 * 8
     need = grad_accum * batch_tokens * per_token
-    try:
-        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare with
-        host = None
-    places = [("host memory", host)]
+    places = [("host memory", free_memory("cpu"))]
     if where.type == "cuda":
-        places.append((f"memory free on {where}", torch.cuda.mem_get_info(where)[0]))
+        places.append((f"memory free on {where}", free_memory(where)))
     for what, free in places:
         if free is not None and need > free:
             raise EyasError(f"--max-seq-len {max_len} (--batch-tokens {batch_tokens}, --grad-accum {grad_accum}) needs "
