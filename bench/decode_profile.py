@@ -9,7 +9,7 @@ nothing, so what it measures is the cost of a round; the speedup at a given tau 
     PYTHONPATH=src python3 bench/decode_profile.py --smoke
 
 With ``--freeze off,on`` each attention runs twice, the verifier's layers and the draft compiled without and with
-inductor's freezing (weights as constants: q/k/v and gate/up one matmul each; eyas.engine.graphs.compile_frozen),
+inductor's freezing (weights as constants: q/k/v and gate/up one matmul each; eyas.verifier.compile.compile_frozen),
 then a line of on/off ratios (time, kernels, the memory its build took); ``auto`` (the default) is what eval does.
 
 With ``--inductor "default;max_autotune_gemm=True"`` (variants split by ``;``, each ``key=value`` settings of

@@ -12,7 +12,7 @@ much padding the forward computes on:
   from ``position_ids``, ``transformers.masking_utils.find_packed_sequence_indices``): no padding, one forward,
   but attention over whole sequences under a block-diagonal mask;
 - ``grouped_compiled``: the trainer's groups through the verifier's decoder layers compiled with symbolic shapes
-  (``eyas.engine.graphs.compiled_layers(dynamic=True)``, the regional compile the engine's prefills use): a
+  (``eyas.verifier.compile.compiled_layers(dynamic=True)``, the regional compile the engine's prefills use): a
   small verifier's eager forward is bound by its element-wise kernels (RMSNorm, RoPE, SiLU in several passes
   each), which the compiled layers fuse. Its compile is the warm-up micro-batch's.
 
@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extract_throughput import random_smollm2, synthetic_rows, tiny_verifier  # noqa: E402
 
-from eyas.engine.graphs import compiled_layers  # noqa: E402
 from eyas.training.batches import PreparedRows, Row, StepData, plan_epoch  # noqa: E402
 from eyas.verifier.info import default_aux_layer_ids  # noqa: E402
+from eyas.verifier.compile import compiled_layers  # noqa: E402
 from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
 

@@ -232,7 +232,7 @@ def test_compiled_layers_equal_eager(make_tiny):
     """Regional compilation (what the engine records into its CUDA graphs on a GPU): the decoder layers
     compiled, the slot attention a graph break, hidden-state capture hooks outside: the same logits and the
     same captured states as eager layers, for a decoding step of 3 rows at different positions."""
-    from eyas.engine.graphs import compiled_layers
+    from eyas.verifier.compile import compiled_layers
     from eyas.engine.slots import Slots, layer_shapes, slot_attention
     from eyas.verifier.load import HiddenStateCapture
 
@@ -260,7 +260,7 @@ def test_compiled_layers_keep_an_instance_forward(make_tiny):
     ``compiled_layers`` (the hook still called) and is the layer's forward again after the block."""
     from accelerate.hooks import ModelHook, add_hook_to_module
 
-    from eyas.engine.graphs import compiled_layers
+    from eyas.verifier.compile import compiled_layers
     from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
     class Count(ModelHook):
@@ -290,7 +290,7 @@ def test_frozen_layers_fuse_qkv_and_gate_up(make_tiny):
     one version shared by the layers."""
     from inductor_code import matmuls, output_code
 
-    from eyas.engine.graphs import compiled_layers
+    from eyas.verifier.compile import compiled_layers
     from eyas.engine.slots import Slots, layer_shapes, slot_attention
 
     t = make_tiny("llama")
@@ -323,7 +323,7 @@ def _compiled_like_eager(model, slots, run, *, seed: int, **compile_kw) -> list[
     and eager's logits and final caches, and returns inductor's output code of the compiled run."""
     from inductor_code import output_code
 
-    from eyas.engine.graphs import compiled_layers
+    from eyas.verifier.compile import compiled_layers
     from eyas.engine.slots import slot_attention
 
     g = torch.Generator().manual_seed(seed)

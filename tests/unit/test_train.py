@@ -149,6 +149,50 @@ def test_online_equals_offline(inputs, tmp_path):
         torch.testing.assert_close(sa[name], sb[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_online_verifier_compiled_gives_the_eager_features(inputs, tmp_path, monkeypatch, capsys):
+    """Online, the verifier's layers run compiled with symbolic shapes where the trainer compiles (CUDA by
+    default): one compile for every group shape, and the states, so the losses, of the eager forward. The draft
+    stays eager here (only the verifier's compile is under test)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from eyas.training import trainer as trainer_mod
+
+    import eyas.stages.train as train_stage
+
+    monkeypatch.setattr(train_stage, "compile_draft", lambda draft: None)
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["prepared"], online=True, epochs=1,
+              max_steps=4, val_ratio=0.0, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "eager"), **kw)
+    dynamo_utils.counters.clear()
+    seen = []
+    real = trainer_mod.Trainer._features
+
+    def features(self, mb):
+        out = real(self, mb)
+        seen.append(self.compile_verifier)
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_features", features)
+    monkeypatch.setattr(trainer_mod.TTTObjective, "__init__", _eager_objective(trainer_mod.TTTObjective.__init__))
+    train(out=str(tmp_path / "compiled"), compile=True, **kw)
+    assert seen and all(seen), seen  # compiled all along: no compiler error sent it back to eager
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # one compiled layer for every group shape
+    assert "without torch.compile" not in capsys.readouterr().err
+    eager, compiled = _records(tmp_path / "eager"), _records(tmp_path / "compiled")
+    for a, b in zip(eager, compiled, strict=True):
+        for k in range(3):
+            assert a[f"loss_{k}"] == pytest.approx(b[f"loss_{k}"], rel=1e-5)
+
+
+def _eager_objective(init):
+    """``TTTObjective.__init__`` with ``compiled=False``: the draft and the loss eager whatever the trainer says."""
+
+    def eager_init(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "compiled": False})
+
+    return eager_init
+
+
 def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, tmp_path):
     """Recomputing the layer in backward gives the run without it, step for step; a frozen lm_head (speculators'
     setting) stays the verifier's rows while the rest learns."""

@@ -35,8 +35,9 @@ import torch
 
 from eyas.core.errors import EyasError
 from eyas.core.memory import free_memory
-from eyas.engine.graphs import Graphs, freeze_fits, run_dynamic
+from eyas.engine.graphs import Graphs, freeze_fits
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
+from eyas.verifier.compile import run_dynamic
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -52,8 +53,8 @@ class SequenceDecoder:
     This is what speculative decoding needs at batch size 1: a verification forward over ``K + 1`` tokens, a
     plain decoding step over one, each a CUDA graph per key length (:meth:`Slots.key_length`; its layers compiled with
     ``compile``); a prompt of any length runs its layers compiled with symbolic shapes where those compile
-    (:func:`eyas.engine.graphs.run_dynamic`), else eagerly. ``freeze`` compiles the layers with their weights as
-    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.engine.graphs.compile_frozen`); ``None``
+    (:func:`eyas.verifier.compile.run_dynamic`), else eagerly. ``freeze`` compiles the layers with their weights as
+    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.verifier.compile.compile_frozen`); ``None``
     freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
     the few shapes compiled a small part of the free GPU memory).
 
@@ -471,7 +472,7 @@ class BatchDecoder:
 
     def _prefill_forward(self, ids: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The packed prompts' forward ``ids [1, B*Tp]`` -> the logits at ``ends`` ``[B, V]``; its layers
-        compiled where :attr:`compile_prefill` (:func:`eyas.engine.graphs.run_dynamic`)."""
+        compiled where :attr:`compile_prefill` (:func:`eyas.verifier.compile.run_dynamic`)."""
         out, self.compile_prefill = run_dynamic(
             self.model, lambda: self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=ends),
             compile=self.compile_prefill)  # fmt: skip

@@ -230,7 +230,7 @@ def _attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     ``value [B, kvh, T, dv]`` (RoPE applied) of the new tokens -> ``[B, T, H, dv]``. Writes the new keys and
     values into their slots and attends to the slot's keys (see :class:`Slots`).
 
-    Inside a compiled decoder layer (:func:`eyas.engine.graphs.compiled_layers`) a decoding or verification
+    Inside a compiled decoder layer (:func:`eyas.verifier.compile.compiled_layers`) a decoding or verification
     forward through FlexAttention is traced into the layer's compiled code: the key/value writes fuse with RoPE
     and the attention with the projections around it, one region a layer instead of two with the attention
     between them (about 6 kernels a layer fewer). That code does not depend on the position: the key length is

@@ -99,17 +99,18 @@ class DraftRunner:
     fixed-shape forwards run through ``torch.compile`` (static shapes): at batch 1 a draft forward is about 120
     small kernels eagerly (embedding, RoPE, norms, the cache write and mask, the MLP, the head), three a round,
     and a graph replays every one of them; compiled, inductor fuses the elementwise ones. The verifier's layers
-    are compiled the same way (:func:`eyas.engine.graphs.compiled_layers`).
+    are compiled the same way (:func:`eyas.verifier.compile.compiled_layers`).
 
     ``freeze`` (with ``compile``) compiles them with the draft's weights as constants, so its layer's q/k/v are
-    one matmul and gate/up another (:func:`eyas.engine.graphs.compile_frozen`; each shape compiled holds its copy
+    one matmul and gate/up another (:func:`eyas.verifier.compile.compile_frozen`; each shape compiled holds its copy
     of those weights). Only for a draft whose weights no longer change, as eval's (loaded from its checkpoint):
     weights updated in place later would not be seen.
     """
 
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True,
                  compile: bool = False, freeze: bool = False) -> None:  # fmt: skip
-        from eyas.engine.graphs import Graphs, compile_frozen, raise_recompile_limit
+        from eyas.engine.graphs import Graphs
+        from eyas.verifier.compile import compile_frozen, raise_recompile_limit
 
         self.draft = draft
         p = draft.fc.weight

@@ -90,7 +90,7 @@ class Runners:
               freeze: bool | None = False) -> "Runners":  # fmt: skip
         """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front.
         ``freeze``: compile the verifier's layers and the draft's forwards with their weights as constants
-        (:func:`eyas.engine.graphs.compile_frozen`; neither changes while eval measures); ``None`` each where
+        (:func:`eyas.verifier.compile.compile_frozen`; neither changes while eval measures); ``None`` each where
         its copies of the weights are cheap (:func:`eyas.engine.graphs.freeze_fits`)."""
         from eyas.engine.graphs import freeze_fits
 

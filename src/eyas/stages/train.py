@@ -136,7 +136,10 @@ class TrainConfig(StageConfig):
     )
     # how a step runs, not what it computes (not recorded), from here to --loader-embeddings
     compile: bool | None = option(
-        None, recorded=False, help="torch.compile the draft layer and the loss (default: on CUDA)."
+        None,
+        recorded=False,
+        help="torch.compile the draft layer and the loss, and online the verifier's layers (symbolic shapes; "
+        "default: on CUDA).",
     )
     gradient_checkpointing: bool = option(
         False,

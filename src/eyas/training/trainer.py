@@ -172,6 +172,11 @@ class Trainer:
         self.d, self.device, self.cfg, self.c, self.out = d, device, cfg, c, Path(c.out)
         self.seqs_per_micro_batch = (c.batch_tokens or c.max_seq_len) // c.max_seq_len
         self.head, self.source, self.verifier, self.layer_ids = head, source, verifier_model, layer_ids
+        # the online verifier's layers compiled (until a compiler error says otherwise); not one spread over
+        # devices, whose layers accelerate's hooks wrap to move tensors between them
+        self.compile_verifier = (
+            compiled and verifier_model is not None and not getattr(verifier_model, "hf_device_map", None)
+        )
         self.lengths, self.fingerprint, self.save_meta = lengths, fingerprint, save_meta
         self.loader_embed = loader_embed  # the frozen embedding in host memory, looked up by the loader
         self.cuda = device.type == "cuda"
@@ -272,6 +277,7 @@ class Trainer:
     def _features(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "aux" in mb:
             return mb["aux"], mb["last"]
+        from eyas.verifier.compile import run_dynamic
         from eyas.verifier.load import forward_hidden_states
 
         B, S = mb["input_ids"].shape
@@ -279,12 +285,23 @@ class Trainer:
         aux = torch.zeros(B * S, 3 * H, dtype=self.compute_dtype, device=self.device)
         last = torch.zeros(B * S, H, dtype=self.compute_dtype, device=self.device)
         if mb["row_ids"].shape[0]:
-            parts_a, parts_h = [], []
-            for start, end, width in mb["row_groups"].tolist():  # rows of similar lengths, each group padded to its own
-                a, h = forward_hidden_states(self.verifier, mb["row_ids"][start:end, :width], layer_ids=self.layer_ids,
-                                             attention_mask=mb["row_attn"][start:end, :width])  # fmt: skip
-                parts_a.append(a.reshape(-1, 3 * H))  # [rows * width, 3H]
-                parts_h.append(h.reshape(-1, H))
+
+            def groups() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                parts_a, parts_h = [], []
+                # rows of similar lengths, each group padded to its own longest
+                for start, end, width in mb["row_groups"].tolist():
+                    a, h = forward_hidden_states(self.verifier, mb["row_ids"][start:end, :width],
+                                                 layer_ids=self.layer_ids,
+                                                 attention_mask=mb["row_attn"][start:end, :width])  # fmt: skip
+                    parts_a.append(a.reshape(-1, 3 * H))  # [rows * width, 3H]
+                    parts_h.append(h.reshape(-1, H))
+                return parts_a, parts_h
+
+            # the verifier's layers compiled with symbolic shapes (one compile for every group shape): a small
+            # verifier's eager forward is bound by its element-wise kernels, which the compiled layers fuse
+            (parts_a, parts_h), self.compile_verifier = run_dynamic(
+                self.verifier, groups, compile=self.compile_verifier, what="the online verifier's forwards"
+            )
             aux[mb["dst"]] = torch.cat(parts_a)[mb["src"]].to(self.compute_dtype)
             last[mb["dst"]] = torch.cat(parts_h)[mb["src"]].to(self.compute_dtype)
         return aux.view(B, S, 3 * H), last.view(B, S, H)

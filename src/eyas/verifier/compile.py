@@ -1,0 +1,121 @@
+"""Regional compilation of a verifier's decoder layers (PyTorch's "regional compilation" recipe): every layer's
+forward through one ``torch.compile``'d function, with fixed or symbolic shapes, optionally with its weights as
+constants. Decoding (eyas.engine), prompts' and prefills' forwards, and the online trainer's verifier forwards
+(eyas.training) use it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from eyas.core.errors import brief
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep ``limit`` compiled versions of one function: decoding compiles a few shapes (one per
+    decoding length) of each compiled function, where its default is 8 (and 256 over all of them)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+#: inductor's settings for a frozen compile (:func:`compiled_layers`' ``freeze``): parameters become constants of
+#: the compiled graph, and on CPU matmuls sharing an input may be concatenated too (on CUDA they always may).
+FREEZE_OPTIONS = {"freezing": True, "cpp.enable_concat_linear": True}
+
+
+def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> Callable[..., Any]:
+    """``torch.compile(fn)`` with inductor's freezing: the parameters ``fn`` reads through modules become constants
+    of each compiled graph (when it runs with gradients off; with them on it compiles as usual).
+
+    Why: under freezing, inductor's pattern pass over the frozen graph concatenates matmuls that share one input
+    into one (``addmm_patterns_init`` in torch/_inductor/fx_passes/freezing_patterns.py: ``matmul_fuse_pattern``
+    for three, ``matmul_fuse_pattern_two`` for two), so a Llama layer's q/k/v are one matmul and its gate/up
+    another: 4 matmul kernels a layer instead of 7, which at batch size 1 (launch-bound) is time.
+
+    The setting must be on while dynamo traces, not only while inductor compiles: dynamo reads
+    ``torch._inductor.config.freezing`` to decide whether a module's parameters enter the graph as constants or
+    as inputs, and ``torch.compile(options=...)`` patches inductor's config only around inductor's part (with
+    the options alone nothing is frozen). So every call runs inside ``torch._inductor.config.patch``, restored
+    after it: a compile happens inside the call that needs it (a new shape, at any later call). The options are
+    passed as well, which also keeps this function's compiled versions apart from unfrozen ones of the same
+    code (dynamo reuses a version only for an equal backend).
+
+    What it costs: the compiled graph holds the weights (guarded by identity: modules of other weights compile
+    their own versions, so regional compilation's one version shared by every layer becomes one a layer), and
+    the concatenated weights are new tensors folded into each compiled graph: those weights exist twice, and
+    once more per shape compiled. Weights changed in place after compiling are not seen: only for weights that
+    no longer change (inference)."""
+    compiled = torch.compile(fn, dynamic=dynamic, options=dict(FREEZE_OPTIONS))
+
+    @functools.wraps(fn)
+    def frozen(*args: Any, **kwargs: Any) -> Any:
+        with torch._inductor.config.patch(FREEZE_OPTIONS):
+            return compiled(*args, **kwargs)
+
+    return frozen
+
+
+@contextlib.contextmanager
+def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False) -> Iterator[None]:
+    """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
+    (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
+    model; PyTorch's "regional compilation" recipe). A decoding forward through FlexAttention compiles with its
+    slot attention inside (the cache writes and the attention fused with the layer; its code does not depend on
+    the position, :func:`eyas.engine.slots._attention`); every other slot attention (SDPA over a key-length
+    bucket, prompts) stays eager, a graph break, so the compiled code does not depend on key lengths and a shape
+    compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
+
+    ``dynamic`` is ``torch.compile``'s: ``False`` specialises every shape (batch size 1 compiles two: one new
+    token and the verification's K + 1); ``None`` compiles the first shape as it is and the next ones once
+    with the dimensions that changed symbolic, which is how a batched step's graphs of many row counts share
+    one compiled layer instead of a compile each.
+
+    ``freeze`` compiles the layers with their weights as constants (:func:`compile_frozen`, under
+    ``torch.no_grad()`` only): q/k/v become one matmul and gate/up another, 3 kernels a layer fewer. The price:
+    a compile per layer and shape instead of one per shape (the compiled code holds that layer's weights), and
+    the concatenated weights once more per shape compiled (:func:`freeze_fits` says when that is cheap). Only for
+    weights that no longer change."""
+    layers = model.base_model.layers
+    # frozen: a compiled version per layer and shape (a few shapes at batch size 1)
+    raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
+    name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
+    # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
+    # put back after the block
+    before = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        if name not in layer.__dict__:
+            layer.__dict__[name] = compile_frozen(layer.forward, dynamic=dynamic) if freeze else \
+                torch.compile(layer.forward, dynamic=dynamic)  # fmt: skip
+        layer.forward = layer.__dict__[name]  # an instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, before):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
+
+
+def run_dynamic(model, fn: Callable[[], Any], *, compile: bool, what: str = "prompts' forwards") -> tuple[Any, bool]:
+    """``fn()`` (a forward of ``model`` over a prompt of any length) with ``model``'s decoder layers compiled
+    with symbolic shapes where ``compile`` (one compile for every length), else eagerly -> (its result, whether
+    to compile the next one). Why: eagerly, a prompt's forward is bound by dispatching each layer's few dozen
+    kernels from Python (a prefill of SmolLM2-135M about 35 ms on an H100, whatever its length up to thousands
+    of tokens). A compiler error runs it eagerly, after one note naming ``what``, and says not to compile again;
+    the keys and values the failed forward wrote (decoding's) are written again, the same."""
+    if compile:
+        try:
+            with compiled_layers(model, dynamic=True):
+                return fn(), True
+        except Exception as e:  # a compiler error
+            import sys
+
+            print(f"eyas: {what} without torch.compile ({brief(e)})", file=sys.stderr)
+    return fn(), False
