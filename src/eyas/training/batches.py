@@ -228,7 +228,7 @@ class StepData(torch.utils.data.Dataset):
         """The online verifier's inputs: each row alone, right-padded, longest first, in groups of at most one
         micro-batch's tokens padded (:func:`eyas.data.lengths.plan_batches`), each group padded to its own longest
         row. Why groups: padded to the micro-batch's longest row, the verifier computed on up to 5x the real
-        tokens (rows of 373 tokens on average beside one of 2,000 in SmolLM2's regenerated answers).
+        tokens (rows of 368 tokens on average beside one of 2,000 in SmolLM2's regenerated answers).
 
         ``row_ids``/``row_attn`` ``[n, Lmax]`` (rows in group order), ``row_groups`` ``[G, 3]`` (each group's
         first row, end and width; read on the host), ``src``: each real token's place in the groups' outputs
