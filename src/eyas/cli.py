@@ -20,7 +20,7 @@ import typing
 from typing import Any, Callable, Literal
 
 from eyas.core.config import StageConfig, default_of, type_hints
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, terminate_as_interrupt
 from eyas.core.validate import check_arguments, unwrap_optional
 from eyas.stages import STAGES
 
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
         checked = check_arguments(config, args)  # ranges and places, before the stage starts
-        _load(COMMANDS[command][1])(checked)
+        with terminate_as_interrupt():  # a time limit's stop ends every stage as Ctrl-C does
+            _load(COMMANDS[command][1])(checked)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)
         return 2

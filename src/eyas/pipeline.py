@@ -10,8 +10,6 @@ import dataclasses
 import importlib
 import json
 import os
-import signal
-import threading
 import time
 import tomllib
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from eyas.core.config import StageConfig, changed, option, stage_function
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, terminate_as_interrupt
 from eyas.core.validate import check_arguments
 from eyas.stages import PIPELINE
 
@@ -104,9 +102,7 @@ def run_pipeline(c: RunConfig) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     # a time limit's SIGTERM (`timeout`, a batch scheduler) ends the stage as Ctrl-C does: its journal and
     # checkpoints are closed properly and the rerun resumes; the seconds it ran are logged all the same
-    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
-        else None  # fmt: skip
-    try:
+    with terminate_as_interrupt():
         # every stage loads the verifier: a GGUF one is dequantized once, its weights kept in the run folder
         with gguf_weights_cache(root / ".verifier-weights"):
             for name, stage, args in plan:
@@ -123,9 +119,6 @@ def run_pipeline(c: RunConfig) -> dict[str, Any]:
                     results[name].append(result)
                 else:
                     results[name] = result
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     print(f"\n== {path}: {', '.join(n for n, _, _ in plan)} done under {root}{os.sep}")
     return results
 
@@ -149,10 +142,6 @@ def _release() -> None:
         torch.cuda.empty_cache()
     if hasattr(torch, "_dynamo"):
         torch._dynamo.reset()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _log_stage(root: Path, name: str, args: StageConfig, seconds: float, finished: bool) -> None:

@@ -543,21 +543,27 @@ def test_variant_flags_train_a_draft_that_loads_and_exports(inputs, tmp_path):
     assert stage == "train" and (c.fc_norm, c.draft_arch, c.num_layers) == (True, "qwen3", 2)
 
 
-def test_time_limit_sigterm_ends_training_quietly(inputs, tmp_path):
+@pytest.mark.parametrize("how", ["run", "train"])
+def test_time_limit_sigterm_ends_training_quietly(inputs, tmp_path, how):
     """A time limit's SIGTERM goes to the whole process group (`timeout`, batch schedulers): the loader's worker
-    processes get it too. `eyas run` ends as after Ctrl-C, with its one line saying to run it again, and no
-    worker's death as a traceback before it."""
-    config = tmp_path / "run.toml"
-    config.write_text(
-        f'out = "{tmp_path / "run"}"\nverifier = "{inputs["verifier"]}"\n[train]\n'
-        f'data = "{inputs["features"]}"\nvocab = "{inputs["vocab"]}"\nepochs = 1000\nmax_seq_len = 64\n'
-        "num_workers = 2\nsave_every = 1\nlog_every = 1\n"
-    )
+    processes get it too. `eyas run` and `eyas train` end as after Ctrl-C, with the one line saying to run the
+    command again, and no worker's death as a traceback before it."""
+    out = tmp_path / "run" / "draft"
+    settings = dict(epochs=1000, max_seq_len=64, num_workers=2, save_every=1, log_every=1)
+    if how == "run":
+        config = tmp_path / "run.toml"
+        config.write_text(f'out = "{tmp_path / "run"}"\nverifier = "{inputs["verifier"]}"\n[train]\n'
+                          f'data = "{inputs["features"]}"\nvocab = "{inputs["vocab"]}"\n'
+                          + "".join(f"{k} = {v}\n" for k, v in settings.items()))  # fmt: skip
+        args = ["run", str(config)]
+    else:
+        args = ["train", "--verifier", str(inputs["verifier"]), "--data", str(inputs["features"]), "--vocab",
+                str(inputs["vocab"]), "--out", str(out),
+                *(x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v)))]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", "run", str(config)], env=env, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     deadline = time.time() + 120
-    out = tmp_path / "run" / "draft"
     while not (out.exists() and len(checkpoint_dirs(out)) >= 2) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGTERM)
