@@ -20,8 +20,8 @@
 #                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags) for at most $BUDGET
 #                                     seconds; call again to resume. $OUT/headtohead.json once done.
 #   bash bench/gpu/quality.sh predict once $R holds a trained draft (a finished run on this warm machine): whether
-#                                     validation-style prediction equals decoding (issue item "prediction equals
-#                                     reality"): the verifier answers MT-Bench itself (both turns, greedy, loops
+#                                     the tau the draft's TTT accuracy predicts equals the tau decoding measures:
+#                                     the verifier answers MT-Bench itself (both turns, greedy, loops
 #                                     kept, the eval's 256 new tokens a turn), those answers are prepared and their
 #                                     features extracted, and `eyas eval --offline` decodes MT-Bench with the draft
 #                                     beside the tau its TTT accuracy predicts over the same turns
@@ -80,7 +80,7 @@ if [ "$1" = headtohead ]; then
   exit 0
 fi
 if [ "$1" = predict ]; then
-  { [ -e "$R/draft/config.json" ] && [ ! -e "$R/draft/.eyas-unfinished" ]; } || { echo "no trained draft in" \
+  [ -e "$R/draft/manifest.json" ] || { echo "no trained draft in" \
     "$R/draft: run \`quality.sh run\` until training is done first" | tee -a "$OUT/status.txt"; exit 1; }
   P=$R/predict; t0=$SECONDS
   step() {  # step NAME ARGS...: one eyas stage under the budget left (a rerun skips what is done)

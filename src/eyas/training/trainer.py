@@ -537,6 +537,10 @@ class Trainer:
                 "the features (`eyas extract --verify`), then rerun the same command to resume from it"
             )
 
+    def _phases(self) -> list[str]:
+        """The step phases timed so far (``--profile-every``), in the order marked."""
+        return list(dict.fromkeys(k for t in self.timings for k in t))
+
     def _log_train(self, log: RunLog, window_start: float) -> None:
         m = self.meter.collect(self.d)
         self._check(m)
@@ -545,7 +549,7 @@ class Trainer:
         rec = {"split": "train", "step": self.global_step, "epoch": self.epoch, "lr": self.optimizers[-1].param_groups[0]["lr"],
                "grad_norm": m["grad_norm"], "tokens_per_s": m["tokens"] / max(seconds, 1e-9), **flat_metrics(m)}  # fmt: skip
         if self.timings:
-            for name in dict.fromkeys(k for t in self.timings for k in t):  # the phases in the order marked
+            for name in self._phases():
                 rec[f"ms_{name}"] = sum(t.get(name, 0.0) for t in self.timings) / len(self.timings)
         log.record(rec)
         self.last_train = m
@@ -621,7 +625,7 @@ class Trainer:
         }
         if self.timings:
             out["ms_per_step"] = {k: float(np.median([t.get(k, 0.0) for t in self.timings]))
-                                  for k in dict.fromkeys(k for t in self.timings for k in t)}  # fmt: skip
+                                  for k in self._phases()}  # fmt: skip
         if self.cuda:
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
