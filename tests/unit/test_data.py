@@ -329,6 +329,10 @@ def test_rerun_skips_and_pool_matches_in_process(tmp_path, verifiers, capsys):
     D.prepare(verifier=ver, data=src, out=str(tmp_path / "two"), num_proc=2)
     assert "up to date" in capsys.readouterr().out
     assert os.stat(tmp_path / "two" / "rows").st_mtime_ns == stamp
+    moved = shutil.copy(src, tmp_path / "moved.jsonl")  # the same data read from elsewhere: still up to date
+    D.prepare(verifier=ver, data=str(moved), out=str(tmp_path / "two"), num_proc=2)
+    assert "up to date" in capsys.readouterr().out
+    assert os.stat(tmp_path / "two" / "rows").st_mtime_ns == stamp
     short = min(a["seq_len"])
     m = D.prepare(verifier=ver, data=src, out=str(tmp_path / "two"), max_seq_len=short, num_proc=1)  # a new setting
     assert m["settings"]["max_seq_len"] == short and 0 < m["outputs"]["rows"] < len(convs)

@@ -36,6 +36,15 @@ def test_manifest_roundtrip_and_match(tmp_path):
     assert read_manifest(tmp_path, stage="vocab")["outputs"] == {"f": 1}
     assert manifest_matches(tmp_path, stage="vocab", inputs={"data": "abc"}, settings={"n": (1, 2)})
     assert not manifest_matches(tmp_path, stage="vocab", inputs={"data": "abd"}, settings={"n": (1, 2)})
+    # an input known by its content's sha256 matches wherever it is read from; by its path alone it does not
+    write_manifest(tmp_path, stage="vocab", inputs={"data": {"source": "/a/rows", "sha256": "f0"}, "v": "/a/m"},
+                   settings={}, outputs={})  # fmt: skip
+    assert manifest_matches(tmp_path, stage="vocab", inputs={"data": {"source": "/b/rows", "sha256": "f0"},
+                                                             "v": "/a/m"}, settings={})  # fmt: skip
+    assert not manifest_matches(tmp_path, stage="vocab", inputs={"data": {"source": "/a/rows", "sha256": "f1"},
+                                                                 "v": "/a/m"}, settings={})  # fmt: skip
+    assert not manifest_matches(tmp_path, stage="vocab", inputs={"data": {"source": "/a/rows", "sha256": "f0"},
+                                                                 "v": "/b/m"}, settings={})  # fmt: skip
     with pytest.raises(EyasError, match="written by `eyas vocab`, not `eyas extract`"):
         read_manifest(tmp_path, stage="extract")
     with pytest.raises(EyasError, match="not made by `eyas train`"):

@@ -95,7 +95,19 @@ def manifest_matches(
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False
     norm = lambda x: json.loads(json.dumps(x, sort_keys=True, default=str))  # noqa: E731 (tuples -> lists)
-    return m.get("stage") == stage and m.get("inputs") == norm(inputs) and m.get("settings") == norm(settings)
+    return (m.get("stage") == stage and _by_content(m.get("inputs")) == _by_content(norm(inputs))
+            and m.get("settings") == norm(settings))  # fmt: skip
+
+
+def _by_content(inputs: Any) -> Any:
+    """``inputs`` as a stage's identity: an input recorded with its content's ``sha256`` is that content wherever
+    it was read from, so its ``source`` (a path) does not count. A run folder moved or renamed, or answers
+    carried to another machine, stay up to date."""
+    if isinstance(inputs, dict):
+        return {k: _by_content(v) for k, v in inputs.items() if not (k == "source" and "sha256" in inputs)}
+    if isinstance(inputs, list):
+        return [_by_content(v) for v in inputs]
+    return inputs
 
 
 #: What a stage leaves in its folder before its manifest is written (the work a rerun resumes), so that another
