@@ -5,11 +5,12 @@ lengths (SmolLM2's regenerated answers: 368 tokens on average, some 2,000), so h
 much padding the forward computes on:
 
 - ``one_batch``: every row right-padded to the micro-batch's longest (4.2x the real tokens on those answers);
-- ``grouped``: what the trainer runs (``StepData._verifier_rows``): longest first, in groups of at most a
+- ``grouped``: the trainer's fallback and check (``StepData._verifier_rows``): longest first, in groups of at most a
   micro-batch's tokens, each padded to its own longest row (1.9x);
 - ``packed``: the packed ``[B, S]`` sequences themselves, rows side by side, with each row's positions starting
   at 0 and no attention mask, so transformers' masks keep every row to itself (its packed-sequence detection
-  from ``position_ids``, ``transformers.masking_utils.find_packed_sequence_indices``): no padding, one forward,
+  from ``position_ids``, ``transformers.masking_utils.find_packed_sequence_indices``): what the trainer runs
+  (``Trainer._packed_states``); no padding, one forward,
   but attention over whole sequences under a block-diagonal mask;
 - ``grouped_compiled``: the trainer's groups through the verifier's decoder layers compiled with symbolic shapes
   (``eyas.verifier.compile.compiled_layers(dynamic=True)``, the regional compile the engine's prefills use): a

@@ -149,9 +149,43 @@ def test_online_equals_offline(inputs, tmp_path):
         torch.testing.assert_close(sa[name], sb[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("packing", ["kept apart", "ignored"])
+def test_online_verifier_packed_rows_or_each_row_alone(inputs, tmp_path, monkeypatch, capsys, packing):
+    """Online, the verifier runs on the packed sequences as they are, its masks keeping each row to itself (from
+    ``position_ids``), once its states on the first micro-batch equal each row's alone. A verifier whose
+    attention ignores packing (here: transformers' packed-sequence detection taken away) fails that check, says
+    so, and runs each row alone: either way the losses are the stored features'."""
+    import transformers.masking_utils as masking
+
+    from eyas.training import trainer as trainer_mod
+
+    if packing == "ignored":
+        monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    seen = []
+    real = trainer_mod.Trainer._features
+
+    def features(self, mb):
+        out = real(self, mb)
+        if "row_ids" in mb and mb["row_ids"].shape[0]:  # online, and rows to run
+            seen.append(self.verifier_packed)
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_features", features)
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], epochs=1, max_steps=4, val_ratio=0.0, **COMMON)
+    train(data=inputs["features"], out=str(tmp_path / "offline"), **kw)
+    capsys.readouterr()
+    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), **kw)
+    note = "does not keep packed rows apart"
+    assert seen and set(seen) == {packing == "kept apart"}, seen
+    assert (note in capsys.readouterr().out) == (packing == "ignored")
+    for a, b in zip(_records(tmp_path / "offline"), _records(tmp_path / "online"), strict=True):
+        for k in range(3):
+            assert a[f"loss_{k}"] == pytest.approx(b[f"loss_{k}"], rel=1e-5)
+
+
 def test_online_verifier_compiled_gives_the_eager_features(inputs, tmp_path, monkeypatch, capsys):
     """Online, the verifier's layers run compiled with symbolic shapes where the trainer compiles (CUDA by
-    default): one compile for every group shape, and the states, so the losses, of the eager forward. The draft
+    default): one compile for the packed sequences (and one for the rows alone that check them), and the states, so the losses, of the eager forward. The draft
     stays eager here (only the verifier's compile is under test)."""
     import torch._dynamo.utils as dynamo_utils
 
@@ -176,7 +210,8 @@ def test_online_verifier_compiled_gives_the_eager_features(inputs, tmp_path, mon
     monkeypatch.setattr(trainer_mod.TTTObjective, "__init__", _eager_objective(trainer_mod.TTTObjective.__init__))
     train(out=str(tmp_path / "compiled"), compile=True, **kw)
     assert seen and all(seen), seen  # compiled all along: no compiler error sent it back to eager
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1  # one compiled layer for every group shape
+    # one compiled layer for the packed sequences, one for the rows alone of the first micro-batch's check
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
     assert "without torch.compile" not in capsys.readouterr().err
     eager, compiled = _records(tmp_path / "eager"), _records(tmp_path / "compiled")
     for a, b in zip(eager, compiled, strict=True):
