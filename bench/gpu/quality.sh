@@ -21,8 +21,9 @@
 #                                     seconds; call again to resume. $OUT/headtohead.json once done.
 #   bash bench/gpu/quality.sh predict once $R holds a trained draft (a finished run on this warm machine): whether
 #                                     the tau the draft's TTT accuracy predicts equals the tau decoding measures:
-#                                     the verifier answers MT-Bench itself (both turns, greedy, loops
-#                                     kept, the eval's 256 new tokens a turn), those answers are prepared and their
+#                                     the verifier answers MT-Bench itself (both turns, the second after a first
+#                                     cut at the limit too, as eval decodes them; greedy, loops kept, the eval's 256
+#                                     new tokens a turn), those answers are prepared and their
 #                                     features extracted, and `eyas eval --offline` decodes MT-Bench with the draft
 #                                     beside the tau its TTT accuracy predicts over the same turns
 #                                     (`predicted_tau_walk`: exact against decoding on CPU in fp32). $OUT/predict.json.
@@ -91,7 +92,7 @@ if [ "$1" = predict ]; then
     return $rc
   }
   N=${PREDICT_TOKENS:-256}; SAMPLE=${PREDICT_PROMPTS:+--max-samples $PREDICT_PROMPTS}  # the same seeded sample
-  step regenerate --data mt-bench --out "$P/answers" --max-new-tokens $N --loops keep $SAMPLE \
+  step regenerate --data mt-bench --out "$P/answers" --max-new-tokens $N --loops keep --after-cut continue $SAMPLE \
     && step prepare --data "$P/answers" --out "$P/prepared" \
     && step extract --data "$P/prepared" --out "$P/features" \
     && step eval --draft "$R/draft" --prompts mt-bench --max-new-tokens $N --draft-tokens 3 --no-baseline \

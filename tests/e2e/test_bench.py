@@ -164,20 +164,15 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
         got_data = t.extractfile("regenerated/conversations.jsonl").read()
     assert got_data == (tmp_path / "q" / "regenerated" / "conversations.jsonl").read_bytes()
     assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
-    # SEED_RUN / SEED_DATA: the run folder made anew (as on a fresh machine) and seeded with those prompts and
-    # answers: `eyas run` finds both up to date and starts at prepare
-    import shutil
-
-    (tmp_path / "q").rename(tmp_path / "q-first")
-    seeded = _quality_sh(tmp_path, verifier, data, tmp_path / "out-seeded", 900, sets, until="vocab",
+    # SEED_RUN / SEED_DATA: a new run folder (as on a fresh machine; another path than the seed's) seeded with
+    # those prompts and answers: `eyas run` finds both up to date and starts at prepare
+    seeded = _quality_sh(tmp_path, verifier, data, tmp_path / "out-seeded", 900, sets, until="vocab", run="q2",
                          SEED_RUN=str(tmp_path / "out2" / "run.tar.gz"),
                          SEED_DATA=str(tmp_path / "out2" / "regenerated.tgz.*"))  # fmt: skip
     assert seeded.returncode == 0 and "seeded" in seeded.stdout, seeded.stdout + seeded.stderr
-    log = (tmp_path / "q" / "run.log").read_text()
+    log = (tmp_path / "q2" / "run.log").read_text()
     assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
-    assert (tmp_path / "q" / "vocab" / "manifest.json").is_file()
-    shutil.rmtree(tmp_path / "q")
-    (tmp_path / "q-first").rename(tmp_path / "q")
+    assert (tmp_path / "q2" / "vocab" / "manifest.json").is_file()
     done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets)
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
     got = json.loads((tmp_path / "out2" / "smollm2-quality.json").read_text())
@@ -203,6 +198,8 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     rep = json.loads((tmp_path / "out-predict" / "predict.json").read_text())
     answers = [json.loads(x) for x in (tmp_path / "q" / "predict" / "answers" / "conversations.jsonl").open()]
     assert rep["num_prompts"] == len(answers) == 2 and rep["offline"]["rows"] == 2
+    # both turns of each question, the second after a first answer cut at the limit too, as eval decodes them
+    assert [sum(m["role"] == "assistant" for m in a["messages"]) for a in answers] == [2, 2], answers
     assert rep["offline"]["rows_from"] == "unseen" and rep["predicted_tau_walk"] >= 1
     again = _quality_sh(tmp_path, verifier, data, tmp_path / "out3", 900, sets)
     assert again.returncode == 0, again.stdout + again.stderr

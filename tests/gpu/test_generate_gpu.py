@@ -208,6 +208,10 @@ def test_flex_attention_graphs_equal_sdpa(make_tiny):
     draft.t2d.fill_(True)
     torch._dynamo.utils.counters.clear()
     r = Runners.build(model, draft, draft_tokens=[3], max_len=600)  # flex: the default on CUDA
+    # the prompts' forwards stay eager here: compiled (symbolic shapes), their slot attention is a graph break by
+    # design (its Python reads the packed layout, eyas.engine.slots._eager_attention); the count below is about
+    # the decoding steps
+    r.base.compile_prompts = r.spec.compile_prompts = False
     for p in _prompts(3, seed=8):
         s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=3, eos_ids={2})
         assert s.tokens == plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens

@@ -50,10 +50,10 @@ def verifier(make_tiny, monkeypatch, request):
     return {"path": str(t.path), "tok": tok, "model": model, "eos": eos}
 
 
-def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limit: int):
+def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limit: int, after_cut: str = "end"):
     """Each prompt decoded alone with eval's plain decoding (one sequence, nothing batched), turn by turn, with
     regenerate's rules: a prompt past ``limit`` or an empty answer ends the conversation before that turn, a cut
-    answer after it."""
+    answer after it (with ``after_cut="continue"``, as eval: the next turn follows it)."""
     runner = SequenceDecoder(model, capacity=limit)
     out = {}
     for pid, turns in prompts.items():
@@ -68,16 +68,16 @@ def _reference(model, tok, eos, prompts: dict[str, list[str]], *, new: int, limi
             if not text:
                 break
             messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
-            if not finished:
+            if not finished and after_cut == "end":
                 break
         if messages:
             out[pid] = messages
     return out
 
 
-def _tiny_reference(v) -> dict[str, list[dict[str, str]]]:
+def _tiny_reference(v, after_cut: str = "end") -> dict[str, list[dict[str, str]]]:
     return _reference(v["model"], v["tok"], v["eos"], {f"p{i}": t for i, t in enumerate(TURNS)}, new=NEW,
-                      limit=1024)  # fmt: skip
+                      limit=1024, after_cut=after_cut)  # fmt: skip
 
 
 def _read(out) -> dict[str, list[dict[str, str]]]:
@@ -112,6 +112,23 @@ def test_batched_answers_equal_plain_decoding_turn_by_turn(verifier, source, tmp
     assert not (out / "manifest.json").exists()
     with pytest.raises(EyasError, match="unfinished `eyas regenerate` output"):
         resolve_source(out)
+
+
+def test_after_cut_continue_answers_every_turn_as_eval_decodes(verifier, source, tmp_path):
+    """``--after-cut continue``: the next user turn follows an answer cut at the token limit (as `eyas eval`
+    decodes a multi-turn set), turn by turn equal to plain decoding alone; the setting is recorded only when
+    set, so outputs made before it stay up to date."""
+    out = tmp_path / "regen"
+    m = regenerate(verifier=verifier["path"], data=str(source), out=str(out), max_new_tokens=NEW, batch_tokens=2048,
+                   after_cut="continue")  # fmt: skip
+    got, ended = _read(out), _tiny_reference(verifier)
+    assert got == _tiny_reference(verifier, after_cut="continue")
+    turns = lambda convs: sum(msg["role"] == "assistant" for c in convs.values() for msg in c)  # noqa: E731
+    assert turns(got) > turns(ended) and m["settings"]["after_cut"] == "continue"
+    assert m["outputs"]["cut_at_max_new_tokens"] > 0
+    plain = regenerate(verifier=verifier["path"], data=str(source), out=str(tmp_path / "end"), max_new_tokens=NEW,
+                       batch_tokens=2048)  # fmt: skip
+    assert "after_cut" not in plain["settings"]
 
 
 def test_killed_run_resumes_with_nothing_lost_or_repeated(make_tiny, tmp_path):

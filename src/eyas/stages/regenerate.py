@@ -70,7 +70,16 @@ class RegenerateConfig(StageConfig):
     )
     out: str = fields.out()
     max_new_tokens: int = option(
-        1024, range=TOKENS, help="the most tokens one answer may have; an answer cut there ends its conversation."
+        1024,
+        range=TOKENS,
+        help="the most tokens one answer may have; an answer cut there ends its conversation (see --after-cut).",
+    )
+    after_cut: Literal["end", "continue"] = option(
+        "end",
+        help="what follows an answer cut at --max-new-tokens: end the conversation there (a later turn would "
+        "follow an answer the verifier never finished), or continue with the next user turn after the cut "
+        "answer, as `eyas eval` decodes a multi-turn set: the answers eval itself decodes, for comparing the "
+        "tau a draft's TTT accuracy predicts with the tau eval measures (bench/gpu/quality.sh predict).",
     )
     max_seq_len: int = option(
         2048,
@@ -196,8 +205,9 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
         settings = recorded_settings(c, server={"url": without_credentials(c.server), "model": c.server_model})
     else:  # precision moves greedy answers by a token now and then
         settings = recorded_settings(c, dtype=str(dt).removeprefix("torch."))
-    if c.loop_copies == 1:  # recorded only when set: outputs written before the option stay up to date
-        settings.pop("loop_copies")
+    for key, default in (("loop_copies", 1), ("after_cut", "end")):  # recorded only when set: outputs written
+        if settings[key] == default:  # before the option stay up to date
+            settings.pop(key)
     out_dir = Path(c.out)
     with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
         if c.device_map is not None and d.active:
@@ -238,7 +248,8 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                 with Journal(parts / f"journal-rank{d.rank:03d}.jsonl") as journal:
                     new_tokens = _converse(prompts, todo, backend, max_turns=c.max_turns, journal=journal,
                                            done=mine - len(todo), total=mine, desc=desc, show=d.is_main,
-                                           loops=LoopPolicy(c.loops, tok, copies=c.loop_copies))  # fmt: skip
+                                           loops=LoopPolicy(c.loops, tok, copies=c.loop_copies),
+                                           continue_after_cut=c.after_cut == "continue")  # fmt: skip
                 engine = backend.report()
             seconds = max(d.all_gather(time.perf_counter() - started))
             new_tokens = sum(d.all_gather(new_tokens))
@@ -348,10 +359,12 @@ def read_journals(parts: Path) -> dict[int, dict[str, Any]]:
 
 
 def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journal: Journal, done: int, total: int,
-              desc: str, show: bool, loops: LoopPolicy | None = None) -> int:  # fmt: skip
+              desc: str, show: bool, loops: LoopPolicy | None = None,
+              continue_after_cut: bool = False) -> int:  # fmt: skip
     """Every prompt of ``todo`` answered turn by turn, all conversations in flight at once: each next turn is
     submitted as soon as the answer before it is back. Each finished conversation goes to ``journal``; an
-    answer cut at the limit goes through ``loops`` first. Returns the new tokens decoded."""
+    answer cut at the limit goes through ``loops`` first, and ends its conversation unless
+    ``continue_after_cut``. Returns the new tokens decoded."""
     from tqdm.auto import tqdm
 
     answers: dict[int, list[Answer]] = {i: [] for i in todo}
@@ -382,6 +395,7 @@ def _converse(prompts, todo: list[int], backend, *, max_turns: int | None, journ
                         c["answers"] -= 1
                     else:
                         said[-1] = kept
+                        over = not continue_after_cut or len(said) > last[i]
                 else:
                     over = len(said) > last[i]
             if not over:
