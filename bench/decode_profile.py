@@ -47,7 +47,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-from eyas.stages.evaluate import setup  # noqa: E402
+from eyas.stages.evaluate import random_draft, setup  # noqa: E402
 from eyas.evaluation.measure import Runners  # noqa: E402
 from eyas.verifier.load import varying_shape_attention  # noqa: E402
 from eyas.engine.generate import BatchDecoder  # noqa: E402
@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--draft-layers", default="1", help="random drafts of these layer counts (comma-separated): "
+                    "what a layer more costs a round (train --num-layers)")  # fmt: skip
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
     ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
     ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
@@ -149,16 +151,26 @@ def main() -> None:
     prompt = torch.randint(100, 20000 if not args.smoke else 400, (args.prompt_len,), generator=torch.Generator()
                            .manual_seed(0)).tolist()  # fmt: skip
     freezes = {"off": False, "on": True, "auto": None}
+    layer_counts = [int(x) for x in args.draft_layers.split(",")]
+    if args.draft != "random" and layer_counts != [1]:
+        raise SystemExit("--draft-layers builds random drafts: leave --draft at random")
     for variant, settings in inductor_variants(args.inductor):
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         with torch._inductor.config.patch(settings):
-            for attention in args.attention.split(","):
-                rows = {}
-                for freeze in args.freeze.split(","):
-                    rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n, K=K)
-                    print(json.dumps({"inductor": variant, "freeze": freeze, **rows[freeze]}), flush=True)
-                if {"off", "on"} <= rows.keys():
-                    print(json.dumps({"inductor": variant, **freeze_ratios(rows["off"], rows["on"])}), flush=True)
+            for layers in layer_counts:
+                if args.draft == "random":
+                    env["draft"] = random_draft(env["info"], seed=0, device=env["device"], dtype=env["dtype"],
+                                                num_layers=layers)  # fmt: skip
+                for attention in args.attention.split(","):
+                    rows = {}
+                    for freeze in args.freeze.split(","):
+                        rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n,
+                                                     K=K)  # fmt: skip
+                        print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
+                                          **rows[freeze]}), flush=True)  # fmt: skip
+                    if {"off", "on"} <= rows.keys():
+                        print(json.dumps({"inductor": variant, "draft_layers": layers,
+                                          **freeze_ratios(rows["off"], rows["on"])}), flush=True)  # fmt: skip
 
 
 def inductor_variants(spec: str) -> list[tuple[str, dict]]:

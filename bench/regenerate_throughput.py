@@ -57,27 +57,40 @@ def kept(tokens: list[int], eos: set[int]) -> int:
 
 
 def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max_len: int, batch_tokens: int,
-               graphs: bool, attention: str = "auto") -> dict:  # fmt: skip
+               graphs: bool, attention: str = "auto", compile_prefill: bool | None = None,
+               cold: bool = False) -> dict:  # fmt: skip
+    """``compile_prefill``: the engine's (None: its default); ``cold``: no warm-up, so the timing holds every
+    compile and graph recording, as one `eyas regenerate` pays them."""
     dev = next(model.parameters()).device
+    torch._dynamo.reset()  # each method compiles from nothing: an earlier one's compiled code is not reused
     t0 = time.perf_counter()
     dec = BatchDecoder(model, eos_ids=eos, max_len=max_len, batch_tokens=batch_tokens, cuda_graphs=graphs,
-                       attention=attention)  # fmt: skip
+                       attention=attention, compile_prefill=compile_prefill)  # fmt: skip
     # warm-up outside the timing: every key length's graph (SDPA's buckets; FlexAttention has one) recorded on a
     # few prompts of each length class
     warm = [Request(key=-1, tokens=[1] * n, max_new_tokens=max_new_tokens) for n in (8, 256, 1024) if n < max_len]
-    for _ in dec.run(RequestQueue(warm)):
+    for _ in dec.run(RequestQueue([] if cold else warm)):
         pass
     sync(dev)
     setup_s = time.perf_counter() - t0
+    before, recorded = dict(dec.stats), dec.graphs.record_seconds  # the warm-up's share, left out below
     reqs = [Request(key=i, tokens=p, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)]
     tokens, t0 = 0, time.perf_counter()
     for c in dec.run(RequestQueue(reqs)):
         tokens += kept(c.tokens, eos)
     sync(dev)
     s = time.perf_counter() - t0
-    st = dec.stats
+    st = {k: v - before[k] for k, v in dec.stats.items()}
+    record = dec.graphs.record_seconds - recorded
     return {
-        "method": "engine" + ("" if graphs else "-eager") + ("" if attention == "auto" else f"-{attention}"),
+        "method": "engine"
+        + ("" if graphs else "-eager")
+        + ("" if attention == "auto" else f"-{attention}")
+        + ("-eager-prefill" if compile_prefill is False else ""),
+        "cold": cold,
+        "prefill_seconds": round(st["prefill_seconds"], 2),
+        "decode_seconds": round(st["decode_seconds"] - record, 2),
+        "record_seconds": round(record, 2),
         "attention": dec.slots.attention,
         "tokens": tokens,
         "seconds": round(s, 2),
@@ -161,7 +174,11 @@ def main() -> None:
         default=None,
         help="keep prompts of at most this many tokens (one padded length: generate compiles once)",
     )
-    ap.add_argument("--methods", default="engine,hf-static,hf-cb")
+    ap.add_argument("--methods", help="engine, engine-eager (no CUDA graphs), engine-flex, engine-sdpa, "
+                    "engine-eager-prefill (prefills not compiled), hf-static, hf-cb (default: engine,hf-static,hf-cb; "
+                    "with --smoke engine,hf-static)")  # fmt: skip
+    ap.add_argument("--cold", action="store_true", help="the engine's methods without their warm-up: compiling "
+                    "and graph recording timed, as one `eyas regenerate` pays them")  # fmt: skip
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random Llama, few prompts: checks it runs")
     args = ap.parse_args()
@@ -173,11 +190,12 @@ def main() -> None:
 
         args.verifier = str(tiny.llama(Path(tmp.name) / "tiny").path)
         args.num_prompts, args.max_new_tokens, args.max_seq_len, args.hf_batch = 12, 8, 256, 4
-        args.dtype, args.methods = "fp32", "engine,hf-static"
+        args.dtype, args.methods = "fp32", args.methods or "engine,hf-static"
         source = [["Tell me about dogs."], ["What is 2+2?"], ["Write some python code please"]] * 4
         texts = [t[0] for t in source]
         torch.set_num_threads(1)
     else:
+        args.methods = args.methods or "engine,hf-static,hf-cb"
         ps, _ = load_prompts(args.prompts, max_samples=args.num_prompts, seed=0)
         texts = [p.turns[0] for p in ps]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
@@ -202,11 +220,12 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         try:
-            if method in ("engine", "engine-eager", "engine-flex", "engine-sdpa"):
+            if method in ("engine", "engine-eager", "engine-flex", "engine-sdpa", "engine-eager-prefill"):
                 row = run_engine(model, prompts, eos=eos, max_new_tokens=args.max_new_tokens,
                                  max_len=args.max_seq_len, batch_tokens=budget, graphs=method != "engine-eager",
                                  attention=method.removeprefix("engine-") if method.endswith(("flex", "sdpa"))
-                                 else "auto")  # fmt: skip
+                                 else "auto", compile_prefill=False if method == "engine-eager-prefill" else None,
+                                 cold=args.cold)  # fmt: skip
             elif method == "hf-static":
                 row = run_hf_static(model, prompts, eos=eos, pad=pad, max_new_tokens=args.max_new_tokens,
                                     batch=args.hf_batch)  # fmt: skip

@@ -31,11 +31,16 @@
 # a matmul; those plus coordinate-descent tuning: bench/decode_profile.py --inductor), then the batched engine on
 # 4,096 ShareGPT first turns (its prefills compiled since 79cc596):
 #   bash bench/gpu/generate.sh autotune
+# or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
+# .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
+# random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
+# cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills compiled and eager:
+#   bash bench/gpu/generate.sh costs
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real|quick|batched|rounds|autotune) ;;
+  random|part0|real|quick|batched|rounds|autotune|costs) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
@@ -70,6 +75,13 @@ if [ "$mode" = autotune ]; then
     --inductor "${INDUCTOR:-default;max_autotune_gemm=True;max_autotune_gemm=True,coordinate_descent_tuning=True}"
   run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
+  collect
+  exit 0
+fi
+if [ "$mode" = costs ]; then
+  run layers timeout 240 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off --draft-layers 1,2
+  run regen_cold timeout 330 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 8192 \
+    --max-new-tokens 384 --methods engine,engine-eager-prefill --cold
   collect
   exit 0
 fi

@@ -104,6 +104,13 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert set(by) == {"engine", "hf-static"} and all("error" not in r for r in by.values()), rows
     assert by["engine"]["tokens"] == by["hf-static"]["tokens"] > 0
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
+    # cold (compiling and recording timed), prefills compiled or not: the same answers
+    cold = _json_lines([str(BENCH / "regenerate_throughput.py"), "--smoke", "--cold", "--methods",
+                        "engine,engine-eager-prefill"], tmp_path)  # fmt: skip
+    by = {r.get("method"): r for r in cold if "method" in r}
+    assert set(by) == {"engine", "engine-eager-prefill"} and all(r["cold"] for r in by.values()), cold
+    assert by["engine"]["tokens"] == by["engine-eager-prefill"]["tokens"] == rows[0]["tokens"]
+    assert all(r["prefill_seconds"] > 0 and r["prefill_forwards"] > 0 for r in by.values())
 
 
 def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data="", run="q", sub="run", **seed):
@@ -238,10 +245,18 @@ def test_eval_speedup_smoke(tmp_path):
 
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
-    profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant."""
+    profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant
+    and draft layer count."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
-                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True"], tmp_path)  # fmt: skip
-    assert [r["inductor"] for r in rows] == ["default", "max_autotune_gemm=True,coordinate_descent_tuning=True"]
+                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--draft-layers", "1,2"],
+                       tmp_path)  # fmt: skip
+    tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
+    assert [(r["inductor"], r["draft_layers"]) for r in rows] == [
+        ("default", 1),
+        ("default", 2),
+        (tuned, 1),
+        (tuned, 2),
+    ]
     for r in rows:
         assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
         assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0

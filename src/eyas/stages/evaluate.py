@@ -41,14 +41,14 @@ from eyas.evaluation.offline import choose_offline_rows, draft_manifest, offline
 # --------------------------------------------------------------------------- drafts
 
 
-def random_draft(info, *, seed: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> Eagle3Draft:  # fmt: skip
+def random_draft(info, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 num_layers: int = 1) -> Eagle3Draft:  # fmt: skip
     """An untrained draft over the full vocab (Llama init; embedding and head from the verifier, as training
-    starts): the floor any trained draft must beat."""
+    starts): the floor any trained draft must beat. ``num_layers``: its decoder layers (train's --num-layers)."""
     from eyas.verifier.load import load_head_tensors
 
     cfg = DraftConfig.from_verifier(info.text_config, draft_vocab_size=info.vocab_size,
-                                    aux_layer_ids=info.aux_layer_ids)  # fmt: skip
+                                    aux_layer_ids=info.aux_layer_ids, num_hidden_layers=num_layers)  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         draft = Eagle3Draft(cfg)
