@@ -304,7 +304,7 @@ def _round(decoder, tok, prefix_ids: list[list[int]], attempts: list[int], *, jo
         for comp in decoder.run(queue):
             ids = comp.tokens[:-1] if comp.finished else comp.tokens
             tokens += len(comp.tokens)
-            text = tok.decode(ids, skip_special_tokens=True).strip()
+            text = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
             v = verdict(text, ids, finished=comp.finished, min_words=min_words)
             f.append({"i": comp.key, "verdict": v, "text": text})
             bar.update(int(v == "kept"))  # (duplicates are told apart at the end)

@@ -338,7 +338,7 @@ class LoopPolicy:
         if self.mode == "trim":
             keep = loop.trimmed_length(self.copies)
             counts["trimmed_tokens"] += len(ids) - keep
-            text = self.tok.decode(ids[:keep], skip_special_tokens=True).strip()
+            text = self.tok.decode(ids[:keep], skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
             return Answer(text, a.finished, a.tokens, a.reasoning) if text else None
         return a
 
@@ -508,9 +508,11 @@ class LocalBackend:
                 yield self._early.pop()
             for c in self.decoder.run(self.queue):
                 ids = c.tokens[:-1] if c.finished else c.tokens
-                # special tokens inside an answer are dropped: the template writes the turn's own controls
-                yield c.key, Answer(self.tok.decode(ids, skip_special_tokens=True).strip(), c.finished, len(c.tokens),
-                                    ids=ids)  # fmt: skip
+                # special tokens inside an answer are dropped: the template writes the turn's own controls. The
+                # text as decoded, no clean-up: a tokenizer config asking for it (GGUF's) would strip spaces before
+                # punctuation in some transformers versions and print a warning in others
+                text = self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+                yield c.key, Answer(text, c.finished, len(c.tokens), ids=ids)
                 while self._early:
                     yield self._early.pop()
 
