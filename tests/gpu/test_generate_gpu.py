@@ -146,7 +146,8 @@ def test_frozen_layers_decode_as_eager(make_tiny):
     """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants: q/k/v and
     gate/up one matmul each; `eyas eval --freeze`, where the copies are cheap): plain decoding and speculative
     rounds (round by round and each round one graph) decode what eager forwards decode (fp32), nothing fell
-    back, and every compiled version of a layer in the plain step holds 4 matmuls (7 unfrozen). A layer may
+    back, and every compiled version of a layer in the plain step holds fewer matmuls than 7 (gate/up one; q/k/v
+    one too where they have one shape). A layer may
     compile more than one version: the `kernels` package's context variable, which transformers' attention
     forward sets, changes value after the first compiled call and fails its guard once (12 versions for 8
     layers on an H100)."""
@@ -168,7 +169,12 @@ def test_frozen_layers_decode_as_eager(make_tiny):
     prompts = _prompts(3, seed=9)
     got, codes = output_code(lambda: plain_generate(frozen, prompts[0], max_new_tokens=100, eos_ids=set()).tokens)
     per_version = [len(MATMUL.findall(c)) for c in codes if MATMUL.search(c)]  # the one-token step's layers
-    assert set(per_version) == {4} and len(per_version) >= len(layers), per_version
+    # inductor concatenates matmuls of one input only where their weights have one shape (check_concat_weights in
+    # torch/_inductor/fx_passes/freezing_patterns.py): gate/up always, q/k/v only without grouped-query attention
+    # (this Llama's 4 query heads over 2 key/value heads keep them apart; measured 6 on an H100)
+    cfg = model.config
+    want = 7 - 1 - (2 if cfg.num_key_value_heads == cfg.num_attention_heads else 0)
+    assert set(per_version) == {want} and len(per_version) >= len(layers), per_version
     assert got == plain_generate(eager, prompts[0], max_new_tokens=100, eos_ids=set()).tokens
     draft = random_draft(info, seed=0, device="cuda")
     draft.t2d.fill_(True)

@@ -54,7 +54,8 @@ class SequenceDecoder:
     plain decoding step over one, each a CUDA graph per key length (:meth:`Slots.key_length`; its layers compiled with
     ``compile``); a prompt of any length runs its layers compiled with symbolic shapes where those compile
     (:func:`eyas.verifier.compile.run_dynamic`), else eagerly. ``freeze`` compiles the layers with their weights as
-    constants, so q/k/v and gate/up are one matmul each (:func:`eyas.verifier.compile.compile_frozen`); ``None``
+    constants, so gate/up are one matmul, and q/k/v another where they have one shape
+    (:func:`eyas.verifier.compile.compile_frozen`); ``None``
     freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
     the few shapes compiled a small part of the free GPU memory).
 

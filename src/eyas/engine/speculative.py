@@ -101,8 +101,9 @@ class DraftRunner:
     and a graph replays every one of them; compiled, inductor fuses the elementwise ones. The verifier's layers
     are compiled the same way (:func:`eyas.verifier.compile.compiled_layers`).
 
-    ``freeze`` (with ``compile``) compiles them with the draft's weights as constants, so its layer's q/k/v are
-    one matmul and gate/up another (:func:`eyas.verifier.compile.compile_frozen`; each shape compiled holds its copy
+    ``freeze`` (with ``compile``) compiles them with the draft's weights as constants, so its layer's gate/up are
+    one matmul, and q/k/v another where they have one shape (:func:`eyas.verifier.compile.compile_frozen`; each
+    shape compiled holds its copy
     of those weights). Only for a draft whose weights no longer change, as eval's (loaded from its checkpoint):
     weights updated in place later would not be seen.
     """

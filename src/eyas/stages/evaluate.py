@@ -160,7 +160,8 @@ class EvalConfig(StageConfig):
     freeze: bool = option(
         False,
         help="with --compile, compile the verifier's layers and the draft with their weights as constants "
-        "(inductor's freezing: q/k/v and gate/up one matmul each, 3 kernels a layer fewer) where the copies of "
+        "(inductor's freezing: gate/up one matmul, and q/k/v one where their weights have one shape, which "
+        "grouped-query attention's do not) where the copies of "
         "the weights this makes are a small part of the free GPU memory; off by default until a GPU run "
         "measures what it saves against the compiling it adds (bench/decode_profile.py --freeze off,on).",
     )
@@ -248,7 +249,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "dtype": str(env["dtype"]).removeprefix("torch."),
         "cuda_graphs": graphs,
         "compile": graphs and runners.base.graphs.compile_model is not None,
-        # the verifier's layers compiled with their weights as constants (q/k/v and gate/up one matmul each)
+        # the verifier's layers compiled with their weights as constants (gate/up one matmul; q/k/v one without GQA)
         "frozen": graphs and runners.base.graphs.compile_model is not None and runners.base.graphs.freeze,
         "fused_rounds": graphs and c.fused_rounds and c.temperature == 0,
         "batch_size": 1,

@@ -35,8 +35,10 @@ def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> C
 
     Why: under freezing, inductor's pattern pass over the frozen graph concatenates matmuls that share one input
     into one (``addmm_patterns_init`` in torch/_inductor/fx_passes/freezing_patterns.py: ``matmul_fuse_pattern``
-    for three, ``matmul_fuse_pattern_two`` for two), so a Llama layer's q/k/v are one matmul and its gate/up
-    another: 4 matmul kernels a layer instead of 7, which at batch size 1 (launch-bound) is time.
+    for three, ``matmul_fuse_pattern_two`` for two), so a Llama layer's gate/up are one matmul, and its q/k/v
+    another where their weights have one shape (``check_concat_weights``: not under grouped-query attention,
+    whose k/v are narrower than q): 4 matmul kernels a layer instead of 7 at most, 6 for a GQA layer (measured on
+    an H100), which at batch size 1 (launch-bound) is time.
 
     The setting must be on while dynamo traces, not only while inductor compiles: dynamo reads
     ``torch._inductor.config.freezing`` to decide whether a module's parameters enter the graph as constants or
@@ -77,7 +79,8 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     one compiled layer instead of a compile each.
 
     ``freeze`` compiles the layers with their weights as constants (:func:`compile_frozen`, under
-    ``torch.no_grad()`` only): q/k/v become one matmul and gate/up another, 3 kernels a layer fewer. The price:
+    ``torch.no_grad()`` only): gate/up become one matmul (q/k/v another where they have one shape), 1 to 3
+    kernels a layer fewer. The price:
     a compile per layer and shape instead of one per shape (the compiled code holds that layer's weights), and
     the concatenated weights once more per shape compiled (:func:`freeze_fits` says when that is cheap). Only for
     weights that no longer change."""
