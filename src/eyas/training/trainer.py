@@ -688,4 +688,12 @@ def _worker_init(_worker_id: int) -> None:
     # by it, a worker's death surfaced in the trainer as a RuntimeError ahead of the interrupt that stops the run
     # cleanly. As a KeyboardInterrupt, torch's worker loop ends quietly (as on Ctrl-C) and the trainer's own
     # interrupt handling shuts the loader down.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+
+
+def _worker_sigterm(_signum: int, _frame: Any) -> None:
+    """A loader worker's first SIGTERM as Ctrl-C; any later one ends it at once, without Python: the trainer's
+    loader shutdown terminates a worker still exiting (slow on a busy machine), and an interrupt raised in its
+    exit finalizers printed a traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
