@@ -510,11 +510,13 @@ def test_compiled_prefills_equal_greedy_generate(make_tiny, name):
     dec = BatchDecoder(model, eos_ids=set(), max_len=96, batch_tokens=96 * 4, sync_every=2, prefill_tokens=100,
                        compile_prefill=True)  # fmt: skip
     seen: list[int] = []
+    compiles: list[int] = []
     real = dec._prefill_forward
 
     def counting(ids, pos, ends):
         out = real(ids, pos, ends)
         seen.append(counters["stats"]["unique_graphs"])
+        compiles.append(dec.report()["compiles"])
         return out
 
     dec._prefill_forward = counting
@@ -524,6 +526,10 @@ def test_compiled_prefills_equal_greedy_generate(make_tiny, name):
     for r in reqs:
         assert got[r.key] == _hf_greedy(reference, r.tokens, 5, set()), f"{name}: request {r.key}"
     assert dec.stats["prefills"] >= 4 and len(set(seen)) == 1 and seen[0] > 0  # compiled once, at the first
+    # the report counts the compiles (regenerate's manifest keeps it): the first prefill's, none after
+    rep = dec.report()
+    assert len(set(compiles)) == 1 and rep["compiles"] == compiles[0] > 0 and rep["compile_seconds"] > 0, compiles
+    assert BatchDecoder(model, eos_ids=set(), max_len=96, batch_tokens=96 * 4).report()["compiles"] == 0
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the short prompt

@@ -37,7 +37,7 @@ from eyas.core.errors import EyasError
 from eyas.core.memory import free_memory
 from eyas.engine.graphs import Graphs, freeze_fits
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
-from eyas.verifier.compile import run_dynamic
+from eyas.verifier.compile import compile_work, run_dynamic
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -397,22 +397,27 @@ class BatchDecoder:
         # H100, more than its 16,000 decoding steps (35 s). The packed attention stays eager in the middle of
         # each layer (a graph break: its Python reads the slots' layout).
         self.compile_prefill = self.graphs.compile_model is not None if compile_prefill is None else compile_prefill
+        self._compiled_before = compile_work()  # dynamo's compiles so far: the report counts this decoder's
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "caller_seconds": 0.0}  # fmt: skip
 
     def report(self) -> dict[str, Any]:
         """What the decoder did so far: steps, how full they were, and where the time went by the host's clock:
         ``decode_seconds`` launching steps and waiting for them (each block ends in a device sync), graph
-        recording apart; ``caller_seconds`` the caller's own work on answers, done while steps ran (past the
-        steps' time, it is what holds the loop back)."""
+        recording apart (``compiles`` and ``compile_seconds``: torch.compile's work inside both, the steps' and
+        the prefills' layers; a shape compiling again and again shows here); ``caller_seconds`` the caller's own
+        work on answers, done while steps ran (past the steps' time, it is what holds the loop back)."""
         st = self.stats
+        compiles, compile_seconds = compile_work()
         return {"slots": self.num_slots, "steps": st["steps"], "prefills": st["prefills"],
                 "prefill_tokens": st["prefill_tokens"],
                 "slot_use": round(st["slot_steps_used"] / max(st["steps"] * self.num_slots, 1), 3),
                 "row_use": round(st["slot_steps_used"] / max(st["row_steps"], 1), 3),
                 "decode_seconds": round(st["decode_seconds"] - self.graphs.record_seconds, 2),
                 "prefill_seconds": round(st["prefill_seconds"], 2), "caller_seconds": round(st["caller_seconds"], 2),
-                "record_seconds": round(self.graphs.record_seconds, 2)}  # fmt: skip
+                "record_seconds": round(self.graphs.record_seconds, 2),
+                "compiles": compiles - self._compiled_before[0],
+                "compile_seconds": round(compile_seconds - self._compiled_before[1], 2)}  # fmt: skip
 
     @property
     def kv_bytes(self) -> int:

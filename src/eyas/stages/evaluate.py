@@ -36,6 +36,7 @@ from eyas.evaluation.measure import (
 )
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.evaluation.offline import choose_offline_rows, draft_manifest, offline_accuracy, pick_offline_rows
+from eyas.verifier.compile import compile_work
 
 
 # --------------------------------------------------------------------------- drafts
@@ -205,6 +206,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         print(f"eval: {report_paths(c.out)[0]} already measures this draft on these prompts; skipping")
         return old
     clock = [time.perf_counter()]  # where eval's time goes, stage by stage (the report's `seconds`)
+    compiled_before = compile_work()  # and how much of it torch.compile took, inside graphs and decoding
 
     def lap() -> float:
         clock.append(time.perf_counter())
@@ -259,7 +261,12 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "seed": c.seed,
         "versions": versions(),
         "measured_sha256": measured,
-        "seconds": {**seconds, "total": round(time.perf_counter() - clock[0], 2)},
+        "seconds": {
+            **seconds,
+            "total": round(time.perf_counter() - clock[0], 2),
+            "compile": round(compile_work()[1] - compiled_before[1], 2),
+        },
+        "compiles": compile_work()[0] - compiled_before[0],
     }
     if len(Ks) > 1:
         report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
@@ -360,7 +367,9 @@ def _print_report(r: dict[str, Any]) -> None:
         t = r["seconds"]
         rows.append(("time", f"{t['total']:.1f} s: load {t['load']:.1f}, graphs {t['build']:.1f}, decoding "
                               f"{t['decode']:.1f} (plain loop {t['decode_plain']:.1f}, speculative "
-                              f"{t['decode_speculative']:.1f})"))  # fmt: skip
+                              f"{t['decode_speculative']:.1f})"
+                              + (f"; {r['compiles']} compiles took {t['compile']:.1f} s of it" if r.get("compiles")
+                                 else "")))  # fmt: skip
     for k, x in (r.get("by_draft_tokens") or {}).items():
         line = f"tau {x['tau']:.3f}"
         if x["speedup"]:

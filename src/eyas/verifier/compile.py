@@ -106,6 +106,14 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
                 layer.forward = forward
 
 
+def compile_work() -> tuple[int, float]:
+    """How many times dynamo compiled in this process so far, and the seconds it took (its own
+    ``compilation_time_metrics``; ``(0, 0.0)`` where a torch version keeps none). A stage reports the difference
+    over its run: a shape that recompiles at every call shows as many compiles, not just a slow stage."""
+    times = getattr(torch._dynamo.utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])
+    return len(times), float(sum(times))
+
+
 def run_dynamic(model, fn: Callable[[], Any], *, compile: bool, what: str = "prompts' forwards") -> tuple[Any, bool]:
     """``fn()`` (a forward of ``model`` over a prompt of any length) with ``model``'s decoder layers compiled
     with symbolic shapes where ``compile`` (one compile for every length), else eagerly -> (its result, whether
