@@ -290,8 +290,9 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                           f"{engine['slot_use']:.2f}, {engine['row_use']:.2f} of the rows stepped), decoding "
                           f"{engine['decode_seconds']:.1f} s, prefills {engine['prefill_seconds']:.1f} s, graph "
                           f"recording {engine['record_seconds']:.1f} s, answers and next turns "
-                          f"{engine['caller_seconds']:.1f} s beside the steps; {engine['compiles']} compiles took "
-                          f"{engine['compile_seconds']:.1f} s of those")  # fmt: skip
+                          f"{engine['caller_seconds']:.1f} s beside the steps"
+                          + (f"; {engine['compiles']} compiles took {engine['compile_seconds']:.1f} s of those"
+                             if engine["compiles"] else ""))  # fmt: skip
                 return m
 
             return d.run_on_main(finish)
