@@ -229,13 +229,26 @@ RECORDED = {
 }  # fmt: skip
 
 
+#: of those, the settings recorded only at another value than their default (``recorded="when set"``): options
+#: added after outputs were made, which stay up to date
+WHEN_SET = {"prompts": {"topics": ["math"]}, "regenerate": {"loop_copies": 3, "after_cut": "continue"},
+            "prepare": {"loop_tails": "unscored"}}  # fmt: skip
+
+
 @pytest.mark.parametrize("stage", list(RECORDED))
 def test_a_manifest_records_the_fields_not_marked_otherwise(stage):
     from eyas.core.config import recorded_settings
 
     config = CONFIGS[stage]
     assert {f.name for f in dataclasses.fields(config) if f.metadata["recorded"]} == RECORDED[stage]
-    c = config(**{f.name: "x" for f in dataclasses.fields(config)
-                  if default_of(f) is dataclasses.MISSING or f.name in ("verifier", "data", "out")})  # fmt: skip
+    assert {f.name for f in dataclasses.fields(config) if f.metadata["recorded"] == "when set"} == set(
+        WHEN_SET.get(stage, {}))  # fmt: skip
+    required = {f.name: "x" for f in dataclasses.fields(config)
+                if default_of(f) is dataclasses.MISSING or f.name in ("verifier", "data", "out")}  # fmt: skip
+    c = config(**required)
+    always = RECORDED[stage] - set(WHEN_SET.get(stage, {}))
     assert recorded_settings(c, world_size=1, seed=7) == {
-        **{name: getattr(c, name) for name in RECORDED[stage]}, "world_size": 1, "seed": 7}  # fmt: skip
+        **{name: getattr(c, name) for name in always}, "world_size": 1, "seed": 7}  # fmt: skip
+    if stage in WHEN_SET:  # set to another value, they are recorded
+        c = config(**required, **WHEN_SET[stage])
+        assert recorded_settings(c) == {name: getattr(c, name) for name in RECORDED[stage]}

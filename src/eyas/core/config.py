@@ -13,13 +13,13 @@ import dataclasses
 import inspect
 import typing
 from dataclasses import MISSING, dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal
 
 from eyas.core.validate import Range, check_values
 
 
 def option(default: Any = MISSING, *, help: str, positional: bool = False, aliases: tuple[str, ...] | None = None,
-           range: Range | None = None, recorded: bool = True) -> Any:  # fmt: skip
+           range: Range | None = None, recorded: bool | Literal["when set"] = True) -> Any:  # fmt: skip
     """A config field: its default (none: the argument is required) and its help, shown by ``--help``.
 
     ``positional``: the command line takes it as ``eyas STAGE VALUE``; with ``aliases`` (even empty) it is
@@ -27,7 +27,9 @@ def option(default: Any = MISSING, *, help: str, positional: bool = False, alias
     the numbers it accepts (:class:`eyas.core.validate.Range`); a name several stages take has one range.
     ``recorded=False``: not one of the settings a stage's manifest records (:func:`recorded_settings`), so not
     one that decides whether a finished output is up to date: a run control (``--log-every``, ``--out``, the
-    device), or an input the manifest records as such (``--verifier`` by its fingerprint)."""
+    device), or an input the manifest records as such (``--verifier`` by its fingerprint).
+    ``recorded="when set"``: recorded only at another value than its default, so outputs made before the option
+    existed stay up to date."""
     metadata = {"help": help, "positional": positional, "aliases": aliases, "range": range, "recorded": recorded}
     if isinstance(default, list):  # a list default is copied per config, as dataclasses require
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -56,12 +58,20 @@ class StageConfig:
 
 def recorded_settings(config: StageConfig, **derived: Any) -> dict[str, Any]:
     """The settings a stage's manifest records, by name: every field of ``config`` but those marked
-    ``recorded=False``, and ``derived``, what the stage resolved (``--draft-vocab-size`` left to its default, the
+    ``recorded=False`` (and those ``recorded="when set"`` left at their default), and ``derived``, what the stage resolved (``--draft-vocab-size`` left to its default, the
     precision ``--dtype auto`` chose) or made of them (train's draft shape), in place of a field of that name or
     beside them. A rerun whose settings match the manifest's is up to date. (``eyas eval`` writes a report, not
     a manifest: it keeps an earlier report made with every argument but ``--out`` the same.)"""
-    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.metadata.get("recorded", True)}
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if _records(f, config)}
     return {**settings, **derived}
+
+
+def _records(f: dataclasses.Field, config: StageConfig) -> bool:
+    """Whether a manifest records field ``f`` of ``config`` (:func:`option`'s ``recorded``)."""
+    recorded = f.metadata.get("recorded", True)
+    if recorded == "when set":
+        return getattr(config, f.name) != default_of(f)
+    return bool(recorded)
 
 
 def default_of(f: dataclasses.Field) -> Any:

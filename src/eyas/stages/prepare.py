@@ -343,6 +343,7 @@ class PrepareConfig(StageConfig):
     )
     loop_tails: Literal["scored", "unscored"] = option(
         "scored",
+        recorded="when set",
         help="an assistant turn that ends in a repetition loop (eyas.data.repetition: a small verifier's greedy "
         "answers often do) keeps its text either way; unscored takes the loop's copies after the first out of the "
         "loss (as `eyas regenerate --loops trim` cuts them, but leaving the text the draft reads), so the "
@@ -379,8 +380,6 @@ def run(c: PrepareConfig) -> dict[str, Any]:
         if c.trust_remote_code:
             inputs["remote_code"] = remote_code_hashes(info)
         settings = recorded_settings(c)
-        if c.loop_tails == "scored":  # recorded only when set: outputs written before the option stay up to date
-            settings.pop("loop_tails")
         manifest = output.up_to_date(inputs=inputs, settings=settings, files=(PREPARED_ROWS,))
         if manifest is not None:
             print(f"prepare: {out_dir} is up to date ({manifest['outputs']['rows']} rows); skipping")

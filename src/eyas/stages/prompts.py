@@ -80,6 +80,7 @@ class PromptsConfig(StageConfig):
     )
     topics: list[str] | None = option(
         None,
+        recorded="when set",
         help="steer the prompts: sample i is drawn after a system message naming topic i mod n (comma-separated, "
         "e.g. math,coding,writing); each prompt records its topic as its category (default: none).",
     )
@@ -203,8 +204,6 @@ def run(c: PromptsConfig) -> dict[str, Any]:
     max_attempts = c.max_attempts or 4 * c.num_prompts
     inputs = {"verifier": fingerprint(info), "chat_template_sha256": template.sha256}
     settings = recorded_settings(c, max_attempts=max_attempts, dtype=str(dt).removeprefix("torch."))
-    if c.topics is None:  # recorded only when set: outputs written before the option stay up to date
-        settings.pop("topics")
     out_dir = Path(c.out)
     with StageOutput(out_dir, stage="prompts") as output:
         finished = output.up_to_date(inputs=inputs, settings=settings, files=(PROMPTS,))

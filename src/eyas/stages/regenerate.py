@@ -76,6 +76,7 @@ class RegenerateConfig(StageConfig):
     )
     after_cut: Literal["end", "continue"] = option(
         "end",
+        recorded="when set",
         help="what follows an answer cut at --max-new-tokens: end the conversation there (a later turn would "
         "follow an answer the verifier never finished), or continue with the next user turn after the cut "
         "answer, as `eyas eval` decodes a multi-turn set: the answers eval itself decodes, for comparing the "
@@ -109,6 +110,7 @@ class RegenerateConfig(StageConfig):
     loop_copies: int = option(
         1,
         range=AT_LEAST_1,
+        recorded="when set",
         help="with --loops trim, how many copies of the loop to keep: 1 keeps none of its repeats, so the draft "
         "never sees a loop go on; 3 keeps two repeats, which teaches it to follow a loop the verifier falls into "
         "while decoding without letting loop tails fill the data.",
@@ -205,9 +207,6 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
         settings = recorded_settings(c, server={"url": without_credentials(c.server), "model": c.server_model})
     else:  # precision moves greedy answers by a token now and then
         settings = recorded_settings(c, dtype=str(dt).removeprefix("torch."))
-    for key, default in (("loop_copies", 1), ("after_cut", "end")):  # recorded only when set: outputs written
-        if settings[key] == default:  # before the option stay up to date
-            settings.pop(key)
     out_dir = Path(c.out)
     with dist.init(device_type="cuda" if dev.type == "cuda" and not c.server else "cpu") as d:
         if c.device_map is not None and d.active:
