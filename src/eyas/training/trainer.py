@@ -21,7 +21,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -280,28 +280,30 @@ class Trainer:
     def _features(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if "aux" in mb:
             return mb["aux"], mb["last"]
-        from eyas.verifier.compile import run_dynamic
-
         B, S = mb["input_ids"].shape
         H = self.cfg.target_hidden_size or self.cfg.hidden_size
         if not mb["row_ids"].shape[0]:
             return (torch.zeros(B, S, 3 * H, dtype=self.compute_dtype, device=self.device),
                     torch.zeros(B, S, H, dtype=self.compute_dtype, device=self.device))  # fmt: skip
-        # the verifier's layers compiled with symbolic shapes (one compile for every shape): a small verifier's
-        # eager forward is bound by its element-wise kernels, which the compiled layers fuse
         if self.verifier_packed is not False:
-            (aux, last), self.compile_verifier = run_dynamic(
-                self.verifier, lambda: self._packed_states(mb), compile=self.compile_verifier,
-                what="the online verifier's forwards")  # fmt: skip
+            aux, last = self._verifier_forward(lambda: self._packed_states(mb))
+            if self.verifier_packed is None:
+                self.verifier_packed = self._packing_kept_rows_apart(mb, aux, last)
             if self.verifier_packed:
                 return aux, last
-            self.verifier_packed = self._packing_kept_rows_apart(mb, aux, last)
-            if self.verifier_packed:
-                return aux, last
-        (aux, last), self.compile_verifier = run_dynamic(
-            self.verifier, lambda: self._grouped_states(mb), compile=self.compile_verifier,
-            what="the online verifier's forwards")  # fmt: skip
-        return aux, last
+        return self._verifier_forward(lambda: self._grouped_states(mb))
+
+    def _verifier_forward(
+        self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fn()`` (a forward of the online verifier) with its layers compiled with symbolic shapes (one compile
+        for every shape) until a compiler error says otherwise: a small verifier's eager forward is bound by its
+        element-wise kernels, which the compiled layers fuse."""
+        from eyas.verifier.compile import run_dynamic
+
+        out, self.compile_verifier = run_dynamic(self.verifier, fn, compile=self.compile_verifier,
+                                                 what="the online verifier's forwards")  # fmt: skip
+        return out
 
     def _packed_states(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The verifier over the micro-batch's packed ``[B, S]`` sequences, each row's positions from 0 and no
@@ -341,11 +343,7 @@ class Trainer:
         verifier whose attention ignores ``position_ids`` would let packed rows attend to each other, silently.
         Equal means a mean relative difference per token under 5% (bfloat16 rounding through a few dozen
         layers stays near 1%; a row that sees another's tokens differs at the size of its states)."""
-        from eyas.verifier.compile import run_dynamic
-
-        (ref_aux, ref_last), self.compile_verifier = run_dynamic(
-            self.verifier, lambda: self._grouped_states(mb), compile=self.compile_verifier,
-            what="the online verifier's forwards")  # fmt: skip
+        ref_aux, ref_last = self._verifier_forward(lambda: self._grouped_states(mb))
         dst = mb["dst"]
         got = torch.cat([aux.flatten(0, 1)[dst], last.flatten(0, 1)[dst]], -1).float()  # [real tokens, 4H]
         ref = torch.cat([ref_aux.flatten(0, 1)[dst], ref_last.flatten(0, 1)[dst]], -1).float()
