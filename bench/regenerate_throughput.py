@@ -57,9 +57,9 @@ def kept(tokens: list[int], eos: set[int]) -> int:
 
 
 def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max_len: int, batch_tokens: int,
-               graphs: bool, attention: str = "auto", compile_prefill: bool | None = None,
+               graphs: bool, attention: str = "auto", compile_prefill: bool = False,
                cold: bool = False) -> dict:  # fmt: skip
-    """``compile_prefill``: the engine's (None: its default); ``cold``: no warm-up, so the timing holds every
+    """``compile_prefill``: the prefills' layers compiled (the engine's default: eager); ``cold``: no warm-up, so the timing holds every
     compile and graph recording, as one `eyas regenerate` pays them."""
     dev = next(model.parameters()).device
     torch._dynamo.reset()  # each method compiles from nothing: an earlier one's compiled code is not reused
@@ -86,7 +86,7 @@ def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max
         "method": "engine"
         + ("" if graphs else "-eager")
         + ("" if attention == "auto" else f"-{attention}")
-        + ("-eager-prefill" if compile_prefill is False else ""),
+        + ("-compiled-prefill" if compile_prefill else ""),
         "cold": cold,
         "prefill_seconds": round(st["prefill_seconds"], 2),
         "decode_seconds": round(st["decode_seconds"] - record, 2),
@@ -175,7 +175,7 @@ def main() -> None:
         help="keep prompts of at most this many tokens (one padded length: generate compiles once)",
     )
     ap.add_argument("--methods", help="engine, engine-eager (no CUDA graphs), engine-flex, engine-sdpa, "
-                    "engine-eager-prefill (prefills not compiled), hf-static, hf-cb (default: engine,hf-static,hf-cb; "
+                    "engine-compiled-prefill (prefills compiled with symbolic shapes), hf-static, hf-cb (default: engine,hf-static,hf-cb; "
                     "with --smoke engine,hf-static)")  # fmt: skip
     ap.add_argument("--cold", action="store_true", help="the engine's methods without their warm-up: compiling "
                     "and graph recording timed, as one `eyas regenerate` pays them")  # fmt: skip
@@ -220,11 +220,11 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         try:
-            if method in ("engine", "engine-eager", "engine-flex", "engine-sdpa", "engine-eager-prefill"):
+            if method in ("engine", "engine-eager", "engine-flex", "engine-sdpa", "engine-compiled-prefill"):
                 row = run_engine(model, prompts, eos=eos, max_new_tokens=args.max_new_tokens,
                                  max_len=args.max_seq_len, batch_tokens=budget, graphs=method != "engine-eager",
                                  attention=method.removeprefix("engine-") if method.endswith(("flex", "sdpa"))
-                                 else "auto", compile_prefill=False if method == "engine-eager-prefill" else None,
+                                 else "auto", compile_prefill=method == "engine-compiled-prefill",
                                  cold=args.cold)  # fmt: skip
             elif method == "hf-static":
                 row = run_hf_static(model, prompts, eos=eos, pad=pad, max_new_tokens=args.max_new_tokens,

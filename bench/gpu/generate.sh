@@ -34,7 +34,7 @@
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
 # random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
-# cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills compiled and eager:
+# cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills eager and compiled:
 #   bash bench/gpu/generate.sh costs
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
@@ -81,7 +81,7 @@ fi
 if [ "$mode" = costs ]; then
   run layers timeout 240 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off --draft-layers 1,2
   run regen_cold timeout 330 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 8192 \
-    --max-new-tokens 384 --methods engine,engine-eager-prefill --cold
+    --max-new-tokens 384 --methods engine,engine-compiled-prefill --cold
   collect
   exit 0
 fi

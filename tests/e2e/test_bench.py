@@ -106,10 +106,10 @@ def test_regenerate_throughput_smoke(tmp_path):
     assert rows[-1]["summary"] and rows[-1]["engine_over_hf-static"] > 0
     # cold (compiling and recording timed), prefills compiled or not: the same answers
     cold = _json_lines([str(BENCH / "regenerate_throughput.py"), "--smoke", "--cold", "--methods",
-                        "engine,engine-eager-prefill"], tmp_path)  # fmt: skip
+                        "engine,engine-compiled-prefill"], tmp_path)  # fmt: skip
     by = {r.get("method"): r for r in cold if "method" in r}
-    assert set(by) == {"engine", "engine-eager-prefill"} and all(r["cold"] for r in by.values()), cold
-    assert by["engine"]["tokens"] == by["engine-eager-prefill"]["tokens"] == rows[0]["tokens"]
+    assert set(by) == {"engine", "engine-compiled-prefill"} and all(r["cold"] for r in by.values()), cold
+    assert by["engine"]["tokens"] == by["engine-compiled-prefill"]["tokens"] == rows[0]["tokens"]
     assert all(r["prefill_seconds"] > 0 and r["prefill_forwards"] > 0 for r in by.values())
 
 

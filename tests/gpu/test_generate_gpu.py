@@ -66,11 +66,11 @@ def test_row_count_graphs_equal_eager(make_tiny, monkeypatch, attention):
     kw = dict(eos_ids=set(), max_len=512, batch_tokens=512 * 8, sync_every=4, attention=attention)
     eager = {c.key: c.tokens for c in BatchDecoder(model, cuda_graphs=False, **kw).run(RequestQueue(reqs))}
     monkeypatch.setattr(generate, "ROW_BUCKETS", (2, 4))
-    dec = BatchDecoder(model, **kw)
+    dec = BatchDecoder(model, compile_prefill=True, **kw)
     graphed = {c.key: c.tokens for c in dec.run(RequestQueue(reqs))}
     assert graphed == eager
     assert dec.graphs.enabled and dec.graphs.compile_model is not None  # no fallback
-    assert dec.compile_prefill  # the prefills ran compiled (symbolic shapes) all along
+    assert dec.compile_prefill  # the prefills ran compiled (symbolic shapes) all along, when asked
     rows = {k[1] for k in dec.graphs.graphs}
     assert 8 in rows and rows & {2, 4}, rows  # the row count fell as the slots drained
 

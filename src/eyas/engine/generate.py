@@ -365,7 +365,7 @@ class BatchDecoder:
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
                  cuda_graphs: bool = True, compile: bool = True, attention: str = "auto", top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, compile_prefill: bool | None = None) -> None:  # fmt: skip
+                 repetition_penalty: float = 1.0, compile_prefill: bool = False) -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -391,12 +391,14 @@ class BatchDecoder:
         # dynamic=None: the row counts' graphs share one compiled layer (a second shape compiles it symbolic); not
         # frozen, which would compile a version per layer and row count, each with its copy of the weights
         self.graphs = Graphs(dev, enabled=cuda_graphs, compile_model=model if compile else None, dynamic=None)
-        # Prefills run their layers compiled too, with symbolic shapes (one compile for every prefill's length),
-        # where the steps compile (CUDA). Eagerly, a prefill of a few thousand tokens of SmolLM2-135M is bound
-        # by dispatching its ~1,200 kernels from Python: 1,496 prefills took 52 s of a 170 s regenerate on an
-        # H100, more than its 16,000 decoding steps (35 s). The packed attention stays eager in the middle of
-        # each layer (a graph break: its Python reads the slots' layout).
-        self.compile_prefill = self.graphs.compile_model is not None if compile_prefill is None else compile_prefill
+        # Prefills run eagerly unless ``compile_prefill``. Compiled with symbolic shapes (one compile for every
+        # prefill's length) they measured faster only warm, on random weights (60.7k against 54.5k tokens/s at
+        # 4,096 prompts, the compile in an untimed warm-up); as a run pays it, cold on the real SmolLM2 and 7,941
+        # ShareGPT first turns (one H200, `bash bench/gpu/generate.sh costs`), the prefills took 16.9 s compiled
+        # against 4.4 s eager and the whole run 57.5k against 128.9k tokens/s, and in the recipe's regenerate
+        # (33,384 prompts, every turn) 147.7 s against 52.4 s eager. The packed attention is a graph break in the
+        # middle of each layer (its Python reads the slots' layout), so compiling buys little per forward.
+        self.compile_prefill = compile_prefill
         self._compiled_before = compile_work()  # dynamo's compiles so far: the report counts this decoder's
         self.stats = {"steps": 0, "prefills": 0, "prefill_tokens": 0, "slot_steps_used": 0, "row_steps": 0,
                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "caller_seconds": 0.0}  # fmt: skip
