@@ -119,7 +119,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--curve", default=str(CURVE), help="the curve's JSON")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("add", help="add (or replace, by commit) the point of one results JSON")
+    a = sub.add_parser(
+        "add",
+        help="add the point of one results JSON (replacing the point of the same commit and "
+        "note: levers measured at one commit are points of their own)",
+    )
     a.add_argument("results")
     a.add_argument("--note", required=True, help="what data the run trained on, for the table")
     s = sub.add_parser("show", help="print the table and write the PNG")
@@ -128,7 +132,8 @@ def main() -> None:
     curve = Path(args.curve)
     if args.cmd == "add":
         new = point(json.loads(Path(args.results).read_text()), args.note)
-        points = [p for p in load(curve) if p["commit"] != new["commit"]] + [new]
+        same = ("commit", "note")
+        points = [p for p in load(curve) if [p[k] for k in same] != [new[k] for k in same]] + [new]
         write_json(curve, points)
         print(json.dumps(new))
         return

@@ -199,6 +199,12 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     (pt,) = json.loads(curve.read_text())
     assert pt["mt-bench"]["tau"] == got["eval"]["mt-bench"]["K=3"]["tau"] and pt["steps"] == 2
     assert "| toy |" in shown.stdout and png.stat().st_size > 1000
+    # a point replaces the one of its commit and note; another note at the commit (a lever) is a point of its own
+    for note in ("toy", "toy lever"):
+        subprocess.run([sys.executable, str(BENCH / "quality_curve.py"), "--curve", str(curve), "add",
+                        str(tmp_path / "out2" / "smollm2-quality.json"), "--note", note], check=True,
+                       capture_output=True, timeout=120)  # fmt: skip
+    assert [p["note"] for p in json.loads(curve.read_text())] == ["toy", "toy lever"]
     # predict: MT-Bench's own answers (the eval's sample and length), their features, eval --offline beside decoding
     pred = _quality_sh(tmp_path, verifier, data, tmp_path / "out-predict", 900, sets, sub="predict", **small)
     assert pred.returncode == 0 and "predict done" in pred.stdout, pred.stdout + pred.stderr
