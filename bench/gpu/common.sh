@@ -1,5 +1,6 @@
 # Sourced by the GPU suites (train.sh, extract.sh, generate.sh, quality.sh): the environment every GPU run uses
-# and the steps they share. What the suites carry is built by bench/gpu/prepare_carry.sh.
+# and the steps they share. What the suites carry is built by bench/gpu/prepare_carry.sh. DRY_RUN=1 (below) lists
+# what a call would run without running it.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=src:/tmp/site
@@ -48,3 +49,25 @@ collect() {  # every run's JSON lines in results.jsonl, their stderr tails in er
   rm -f *.err $(ls *.jsonl | grep -v '^results.jsonl$')
   cat status.txt
 }
+
+if [ -n "${DRY_RUN:-}" ]; then
+  # DRY_RUN=1: a suite's own logic on any machine, without running its work (tests/e2e/test_gpu_suites.py): each
+  # command it would run is written to $OUT/commands.txt (a bench's arguments, a GPU test selection), nothing is
+  # installed, joined or written outside $OUT, and no time limit applies.
+  record() { printf '%q ' "$@" >> "$OUT/commands.txt"; echo >> "$OUT/commands.txt"; }  # shell-quoted, one a line
+  python3() {  # -c snippets run (they read the suite's own results); a heredoc script is read and dropped
+    case "${1:-}" in
+      -c) command python3 "$@" ;;
+      -) cat > /dev/null ;;
+      -m) [ "${2:-}" = pip ] || record python3 "$@" ;;
+      *) record python3 "$@" ;;
+    esac
+  }
+  torchrun() { record torchrun "$@"; }
+  timeout() { while [ "${1#-}" != "$1" ]; do [ "$1" = -k ] && shift; shift; done; shift; "$@"; }
+  env() { while [ "${1#*=}" != "$1" ]; do shift; done; "$@"; }
+  nvidia-smi() { echo "dry run"; }
+  dd() { record dd "$@"; }
+  join_gguf() { echo "dry run: $GGUF not joined"; }
+  stash_part0() { echo "dry run: nothing kept in $G"; }
+fi
