@@ -12,6 +12,10 @@ With ``--freeze off,on`` each attention runs twice, the verifier's layers and th
 inductor's freezing (weights as constants: q/k/v and gate/up one matmul each; eyas.verifier.compile.compile_frozen),
 then a line of on/off ratios (time, kernels, the memory its build took); ``auto`` (the default) is what eval does.
 
+With ``--merge off,on`` each attention (and freeze) runs twice, the verifier's and the draft's q/k/v and gate/up
+as separate matmuls and merged into one each (eval's default where the layers compile: eyas.verifier.merged; the
+merged run on copies of both models, so the unmerged ones stay as loaded), then a line of on/off ratios.
+
 With ``--inductor "default;max_autotune_gemm=True"`` (variants split by ``;``, each ``key=value`` settings of
 ``torch._inductor.config`` split by ``,``) each attention and freeze runs once per variant, everything compiled
 again under that variant's settings (``torch._dynamo.reset()`` between them): e.g. whether inductor's Triton GEMM
@@ -32,6 +36,7 @@ Prints one JSON line per attention implementation (or per row count and live len
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import sys
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
     ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
     ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
+    ap.add_argument("--merge", default="on", help="off, on, or both (off,on): q/k/v and gate/up merged or not")
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -154,6 +160,12 @@ def main() -> None:
     layer_counts = [int(x) for x in args.draft_layers.split(",")]
     if args.draft != "random" and layer_counts != [1]:
         raise SystemExit("--draft-layers builds random drafts: leave --draft at random")
+    merges = args.merge.split(",")
+    # merging is in place: both ways on one model need a copy merged, taken before anything compiles (a compiled
+    # layer's forward stays bound to the layer it was compiled from, which a deep copy does not rebind)
+    both = {"off", "on"} <= set(merges)
+    merged_model = copy.deepcopy(env["model"]) if both else env["model"]
+    merged_draft = copy.deepcopy(env["draft"]) if both else env["draft"]
     for variant, settings in inductor_variants(args.inductor):
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         with torch._inductor.config.patch(settings):
@@ -161,16 +173,26 @@ def main() -> None:
                 if args.draft == "random":
                     env["draft"] = random_draft(env["info"], seed=0, device=env["device"], dtype=env["dtype"],
                                                 num_layers=layers)  # fmt: skip
+                    merged_draft = copy.deepcopy(env["draft"]) if both else env["draft"]
                 for attention in args.attention.split(","):
                     rows = {}
                     for freeze in args.freeze.split(","):
-                        rows[freeze] = profile_loops(env, prompt, attention=attention, freeze=freezes[freeze], n=n,
-                                                     K=K)  # fmt: skip
-                        print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
-                                          **rows[freeze]}), flush=True)  # fmt: skip
-                    if {"off", "on"} <= rows.keys():
-                        print(json.dumps({"inductor": variant, "draft_layers": layers,
-                                          **freeze_ratios(rows["off"], rows["on"])}), flush=True)  # fmt: skip
+                        for merge in args.merge.split(","):
+                            on = merge == "on"
+                            rows[freeze, merge] = profile_loops(
+                                env, prompt, attention=attention, n=n, K=K, freeze=freezes[freeze], merge=on,
+                                model=merged_model if on else None, draft=merged_draft if on else None)  # fmt: skip
+                            print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
+                                              "merge": merge, **rows[freeze, merge]}), flush=True)  # fmt: skip
+                        if {(freeze, "off"), (freeze, "on")} <= rows.keys():
+                            print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
+                                              **on_off_ratios(rows[freeze, "off"], rows[freeze, "on"], "merge")}),
+                                  flush=True)  # fmt: skip
+                    for merge in args.merge.split(","):
+                        if {("off", merge), ("on", merge)} <= rows.keys():
+                            print(json.dumps({"inductor": variant, "draft_layers": layers, "merge": merge,
+                                              **on_off_ratios(rows["off", merge], rows["on", merge], "freeze")}),
+                                  flush=True)  # fmt: skip
 
 
 def inductor_variants(spec: str) -> list[tuple[str, dict]]:
@@ -191,10 +213,11 @@ def inductor_variants(spec: str) -> list[tuple[str, dict]]:
     return out
 
 
-def freeze_ratios(off: dict, on: dict) -> dict:
-    """Frozen against unfrozen, one attention: on / off of each time, kernel count and the memory the build took."""
-    out = {"compare": "freeze on/off", "attention": on["attention"], "frozen": on.get("frozen"),
-           "draft_frozen": on.get("draft_frozen")}  # fmt: skip
+def on_off_ratios(off: dict, on: dict, what: str) -> dict:
+    """``what`` (freeze or merge) on against off, one attention: on / off of each time, kernel count and the
+    memory the build took."""
+    out = {"compare": f"{what} on/off", "attention": on["attention"], "frozen": on.get("frozen"),
+           "draft_frozen": on.get("draft_frozen"), "merged": on.get("merged")}  # fmt: skip
     for key in ("plain_ms_per_token", "spec_ms_per_round", "spec_fused_ms_per_round", "warmup_s", "build_mib"):
         if key in on and key in off and off[key]:
             out[key] = round(on[key] / off[key], 4)
@@ -208,9 +231,12 @@ def freeze_ratios(off: dict, on: dict) -> dict:
     return out
 
 
-def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None, n: int, K: int) -> dict:
-    """One attention's plain step and speculative rounds (round by round and fused), timed and profiled."""
+def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None, n: int, K: int,
+                  merge: bool = True, model=None, draft=None) -> dict:  # fmt: skip
+    """One attention's plain step and speculative rounds (round by round and fused), timed and profiled, on
+    ``model`` and ``draft`` (default: ``env``'s)."""
     dev = env["device"]
+    model, draft = model if model is not None else env["model"], draft if draft is not None else env["draft"]
     row = {"attention": attention, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "prompt_len": len(prompt), "new_tokens": n, "draft_tokens": K}  # fmt: skip
     try:
@@ -221,10 +247,11 @@ def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(dev)
         t0 = time.perf_counter()
-        r = Runners.build(env["model"], env["draft"], draft_tokens=[K], max_len=len(prompt) + n + K + 2,
-                          attention=attention, fused_rounds=True, freeze=freeze)  # fmt: skip  # both loops' graphs
+        r = Runners.build(model, draft, draft_tokens=[K], max_len=len(prompt) + n + K + 2,
+                          attention=attention, fused_rounds=True, freeze=freeze, merge=merge)  # fmt: skip  # both loops' graphs
         row["warmup_s"] = round(time.perf_counter() - t0, 1)
         row["frozen"], row["draft_frozen"] = r.base.graphs.freeze, r.draft.frozen
+        row["merged"] = hasattr(model.base_model.layers[0].self_attn, "merged_qkv_proj")
         if dev.type == "cuda":
             row["build_mib"] = round((torch.cuda.memory_allocated(dev) - before) / 2**20, 1)
         m = min(32, n)

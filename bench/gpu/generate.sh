@@ -36,11 +36,16 @@
 # random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
 # cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills eager and compiled:
 #   bash bench/gpu/generate.sh costs
+# or, in one call of at most about 7 minutes on the random-weight model (the random mode's carry), a plain step
+# and a speculative round with each layer's q/k/v and gate/up as separate matmuls and merged into one each
+# (bench/decode_profile.py --merge off,on; eval merges by default, eyas.verifier.merged), and the GPU tests of
+# the merged and the frozen layers:
+#   bash bench/gpu/generate.sh merged
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt.
 source bench/gpu/common.sh
 mode=${1:-}
 case "$mode" in
-  random|part0|real|quick|batched|rounds|autotune|costs) ;;
+  random|part0|real|quick|batched|rounds|autotune|costs|merged) ;;
   *) sed -n '2,/^source/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 install_wheels
@@ -48,7 +53,7 @@ if [ "$mode" = part0 ]; then
   stash_part0
   exit 0
 elif [ "$mode" = random ] || [ "$mode" = quick ] || [ "$mode" = batched ] || [ "$mode" = rounds ] \
-    || [ "$mode" = autotune ]; then
+    || [ "$mode" = autotune ] || [ "$mode" = merged ]; then
   V=/tmp/smol-random
   python3 - <<'PY'
 import shutil, torch
@@ -82,6 +87,12 @@ if [ "$mode" = costs ]; then
   run layers timeout 240 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off --draft-layers 1,2
   run regen_cold timeout 330 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 8192 \
     --max-new-tokens 384 --methods engine,engine-compiled-prefill --cold
+  collect
+  exit 0
+fi
+if [ "$mode" = merged ]; then
+  run profile timeout 240 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off --merge off,on
+  run gpu_tests timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py -k "merged or frozen"
   collect
   exit 0
 fi

@@ -143,11 +143,10 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
 
 
 def test_frozen_layers_decode_as_eager(make_tiny):
-    """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants: q/k/v and
-    gate/up one matmul each; `eyas eval --freeze`, where the copies are cheap): plain decoding and speculative
-    rounds (round by round and each round one graph) decode what eager forwards decode (fp32), nothing fell
-    back, and every compiled version of a layer in the plain step holds fewer matmuls than 7 (gate/up one; q/k/v
-    one too where they have one shape). A layer may
+    """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants; `eyas
+    eval --freeze`, where the copies are cheap): plain decoding and speculative rounds (round by round and each
+    round one graph) decode what eager forwards decode (fp32), nothing fell back, and every compiled version of
+    a layer in the plain step holds 4 matmuls where an unmerged layer has 7. A layer may
     compile more than one version: the `kernels` package's context variable, which transformers' attention
     forward sets, changes value after the first compiled call and fails its guard once (12 versions for 8
     layers on an H100)."""
@@ -169,12 +168,10 @@ def test_frozen_layers_decode_as_eager(make_tiny):
     prompts = _prompts(3, seed=9)
     got, codes = output_code(lambda: plain_generate(frozen, prompts[0], max_new_tokens=100, eos_ids=set()).tokens)
     per_version = [len(MATMUL.findall(c)) for c in codes if MATMUL.search(c)]  # the one-token step's layers
-    # inductor concatenates matmuls of one input only where their weights have one shape (check_concat_weights in
-    # torch/_inductor/fx_passes/freezing_patterns.py): gate/up always, q/k/v only without grouped-query attention
-    # (this Llama's 4 query heads over 2 key/value heads keep them apart; measured 6 on an H100)
-    cfg = model.config
-    want = 7 - 1 - (2 if cfg.num_key_value_heads == cfg.num_attention_heads else 0)
-    assert set(per_version) == {want} and len(per_version) >= len(layers), per_version
+    # q/k/v and gate/up are merged (SequenceDecoder's merge, eyas.verifier.merged): one matmul each, o and down
+    # the others, grouped-query attention or not (frozen without merging: 6 under GQA on an H100, inductor's
+    # check_concat_weights wanting equal weight shapes)
+    assert set(per_version) == {4} and len(per_version) >= len(layers), per_version
     assert got == plain_generate(eager, prompts[0], max_new_tokens=100, eos_ids=set()).tokens
     draft = random_draft(info, seed=0, device="cuda")
     draft.t2d.fill_(True)
@@ -195,6 +192,47 @@ def test_frozen_layers_decode_as_eager(make_tiny):
         assert r.base.graphs.enabled == r.draft.graphs.enabled == graphs  # no fallback, to eager or uncompiled
         assert (r.base.graphs.compile_model is not None) == graphs and (r.draft._compiled is not None) == graphs
     assert out[True] == out[False]
+
+
+def test_merged_projections_decode_as_eager(make_tiny):
+    """Batch-1 decoding with q/k/v and gate/up merged (SequenceDecoder's default where its layers compile;
+    eyas.verifier.merged), not frozen: every compiled version of a layer in the plain step holds 4 matmuls
+    (7 unmerged), and plain decoding and speculative rounds decode what eager forwards of the unmerged model
+    decode (fp32)."""
+    import copy
+
+    from inductor_code import MATMUL, output_code
+
+    from eyas.engine.generate import SequenceDecoder
+
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    model = build_text_model(info, device="cuda")
+    plain_model = copy.deepcopy(model)
+    eager = SequenceDecoder(plain_model, capacity=400, cuda_graphs=False)
+    unmerged = SequenceDecoder(copy.deepcopy(model), capacity=400, merge=False)
+    unmerged.compile_prompts = False
+    merged = SequenceDecoder(model, capacity=400)
+    merged.compile_prompts = False  # the prompt's forward stays eager: the count is the one-token step's
+    assert hasattr(model.base_model.layers[0].self_attn, "merged_qkv_proj")
+    prompts = _prompts(3, seed=11)
+    want = plain_generate(eager, prompts[0], max_new_tokens=100, eos_ids=set()).tokens
+    counts = {}
+    for name, dec in (("unmerged", unmerged), ("merged", merged)):
+        got, codes = output_code(lambda: plain_generate(dec, prompts[0], max_new_tokens=100, eos_ids=set()).tokens)
+        counts[name] = {len(MATMUL.findall(c)) for c in codes if MATMUL.search(c)}
+        assert got == want, name
+    assert counts == {"unmerged": {7}, "merged": {4}}, counts
+    draft = random_draft(info, seed=0, device="cuda")
+    draft.t2d.fill_(True)
+    r = Runners.build(model, draft, draft_tokens=[3], max_len=600, fused_rounds=True)
+    assert hasattr(draft.layers[0].self_attn, "merged_qkv_proj")  # the compiled draft merged too
+    for p in prompts:
+        base = plain_generate(eager, p, max_new_tokens=96, eos_ids={2}).tokens
+        assert plain_generate(r.base, p, max_new_tokens=96, eos_ids={2}).tokens == base
+        for fused in (False, True):
+            s = speculative_generate(r.spec, r.draft, p, max_new_tokens=96, draft_tokens=3, eos_ids={2}, fused=fused)
+            assert s.tokens == base, fused
 
 
 def test_flex_attention_graphs_equal_sdpa(make_tiny):

@@ -57,7 +57,9 @@ class SequenceDecoder:
     constants, so gate/up are one matmul, and q/k/v another where they have one shape
     (:func:`eyas.verifier.compile.compile_frozen`); ``None``
     freezes where that is cheap in memory (:func:`eyas.engine.graphs.freeze_fits`: plain weights, and their copies for
-    the few shapes compiled a small part of the free GPU memory).
+    the few shapes compiled a small part of the free GPU memory). ``merge`` (where the layers compile) stores each
+    layer's q/k/v and gate/up as one weight each, in the model itself, so that compiled they are one matmul
+    each, grouped-query attention included, with no copy of the weights (:mod:`eyas.verifier.merged`).
 
     The model's attention is switched to the slots (``set_attn_implementation``, which walks every module:
     0.7 ms of host time on SmolLM2) only where Python runs the forward: eager forwards and graph captures, or
@@ -67,8 +69,9 @@ class SequenceDecoder:
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
                  graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
                  compile: bool = True, sync_every: int = 16, attention: str = "auto",
-                 freeze: bool | None = False) -> None:  # fmt: skip
+                 freeze: bool | None = False, merge: bool = True) -> None:  # fmt: skip
         from eyas.verifier.load import HiddenStateCapture
+        from eyas.verifier.merged import merge_projections
 
         self.model = model
         p = next(model.parameters())
@@ -84,6 +87,8 @@ class SequenceDecoder:
             freeze = compile and cuda_graphs and freeze_fits(model.base_model.layers, shapes=shapes)
         self.graphs = Graphs(self.device, enabled=cuda_graphs, compile_model=model if compile else None,
                              freeze=freeze)  # fmt: skip
+        if merge and self.graphs.compile_model is not None:  # q/k/v and gate/up one matmul each, compiled
+            merge_projections(model)
         # prompts' forwards compiled too (symbolic shapes, one compile for every length) where the graphs compile
         self.compile_prompts = self.graphs.compile_model is not None
         self._ids: dict[int, torch.Tensor] = {}  # static inputs per graphed length

@@ -105,13 +105,16 @@ class DraftRunner:
     one matmul, and q/k/v another where they have one shape (:func:`eyas.verifier.compile.compile_frozen`; each
     shape compiled holds its copy
     of those weights). Only for a draft whose weights no longer change, as eval's (loaded from its checkpoint):
-    weights updated in place later would not be seen.
+    weights updated in place later would not be seen. ``merge`` (with ``compile``) stores its layers' q/k/v and
+    gate/up as one weight each, in place, so compiled they are one matmul each without freezing
+    (:func:`eyas.verifier.merged.merge_projections`).
     """
 
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True,
-                 compile: bool = False, freeze: bool = False) -> None:  # fmt: skip
+                 compile: bool = False, freeze: bool = False, merge: bool = True) -> None:  # fmt: skip
         from eyas.engine.graphs import Graphs
-        from eyas.verifier.compile import compile_frozen, raise_recompile_limit
+        from eyas.verifier.compile import COMPILE_OPTIONS, compile_frozen, raise_recompile_limit
+        from eyas.verifier.merged import merge_projections
 
         self.draft = draft
         p = draft.fc.weight
@@ -126,7 +129,10 @@ class DraftRunner:
         self._compiled = None
         if compile:
             raise_recompile_limit()  # a shape per catch-up length, again for each new cache
-            self._compiled = compile_frozen(self._forward) if freeze else torch.compile(self._forward, dynamic=False)
+            if merge:  # its layers' q/k/v and gate/up one matmul each (eyas.verifier.merged)
+                merge_projections(draft)
+            self._compiled = compile_frozen(self._forward) if freeze else \
+                torch.compile(self._forward, dynamic=False, options=dict(COMPILE_OPTIONS))  # fmt: skip
         self.frozen = compile and freeze
 
     def reset(self, max_len: int) -> None:

@@ -87,15 +87,18 @@ class Runners:
     @classmethod
     def build(cls, model, draft: Eagle3Draft, *, draft_tokens: list[int], max_len: int, cuda_graphs: bool = True,
               compile: bool = True, attention: str = "auto", fused_rounds: bool = False,
-              freeze: bool | None = False) -> "Runners":  # fmt: skip
+              freeze: bool | None = False, merge: bool = True) -> "Runners":  # fmt: skip
         """Decoders for conversations of ``max_len`` positions, every fixed-shape forward recorded up front.
         ``freeze``: compile the verifier's layers and the draft's forwards with their weights as constants
         (:func:`eyas.verifier.compile.compile_frozen`; neither changes while eval measures); ``None`` each where
-        its copies of the weights are cheap (:func:`eyas.engine.graphs.freeze_fits`)."""
+        its copies of the weights are cheap (:func:`eyas.engine.graphs.freeze_fits`). ``merge``: where they compile,
+        the verifier's and the draft's q/k/v and gate/up stored as one weight each, in place (one matmul each;
+        :mod:`eyas.verifier.merged`)."""
         from eyas.engine.graphs import freeze_fits
 
         Ks = sorted(set(draft_tokens))
-        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention, freeze=freeze)
+        kw = dict(capacity=max_len, cuda_graphs=cuda_graphs, compile=compile, attention=attention, freeze=freeze,
+                  merge=merge)  # fmt: skip
         compile_draft = compile and cuda_graphs and draft.fc.weight.device.type == "cuda"
         # the draft compiles a shape per K's catch-up (its K + 1 fed positions) and its drafting step
         freeze_draft = freeze if freeze is not None else freeze_fits(draft.layers, shapes=len(Ks) + 1)
@@ -104,7 +107,7 @@ class Runners:
                                  **kw),  # fmt: skip
             base=SequenceDecoder(model, graph_lengths=(), **kw),  # plain steps: SequenceDecoder.decode's graphs
             draft=DraftRunner(draft, graph_max_tokens=max(Ks) + 1, cuda_graphs=cuda_graphs, compile=compile_draft,
-                              freeze=compile_draft and freeze_draft),  # fmt: skip
+                              freeze=compile_draft and freeze_draft, merge=merge),  # fmt: skip
             draft_tokens=Ks,
             fused_rounds=fused_rounds,
         )  # fmt: skip

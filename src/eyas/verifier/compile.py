@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from eyas.core.errors import brief
+from eyas.verifier.merged import SAME_MATMUL_ONCE
 
 
 def raise_recompile_limit(limit: int = 64) -> None:
@@ -24,9 +25,14 @@ def raise_recompile_limit(limit: int = 64) -> None:
             setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
+#: inductor's settings for every compile of eyas' decoding and verifier forwards: a matmul that repeats an earlier
+#: one on the same operands is computed once (how merged q/k/v and gate/up run as one matmul each,
+#: :mod:`eyas.verifier.merged`)
+COMPILE_OPTIONS = {"post_grad_custom_pre_pass": SAME_MATMUL_ONCE}
+
 #: inductor's settings for a frozen compile (:func:`compiled_layers`' ``freeze``): parameters become constants of
 #: the compiled graph, and on CPU matmuls sharing an input may be concatenated too (on CUDA they always may).
-FREEZE_OPTIONS = {"freezing": True, "cpp.enable_concat_linear": True}
+FREEZE_OPTIONS = {"freezing": True, "cpp.enable_concat_linear": True, **COMPILE_OPTIONS}
 
 
 def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> Callable[..., Any]:
@@ -94,7 +100,7 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     for layer in layers:
         if name not in layer.__dict__:
             layer.__dict__[name] = compile_frozen(layer.forward, dynamic=dynamic) if freeze else \
-                torch.compile(layer.forward, dynamic=dynamic)  # fmt: skip
+                torch.compile(layer.forward, dynamic=dynamic, options=dict(COMPILE_OPTIONS))  # fmt: skip
         layer.forward = layer.__dict__[name]  # an instance attribute: shadows the class's forward
     try:
         yield
