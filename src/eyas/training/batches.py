@@ -21,7 +21,10 @@ from eyas.data.prepared import PreparedReader
 from eyas.training.loss import CHUNK_TOKENS, scored_rows, target_rows
 
 OPEN_BINS = 64  # sequences kept open while packing (best fit among them)
-HOST_KEYS = frozenset({"row_groups"})  # micro-batch tensors the trainer reads on the host (not copied to the device)
+# micro-batch tensors not copied to the device with the rest: the groups' bounds (read on the host), and each row
+# alone (the online verifier's inputs row by row, which after the first micro-batch's check only a verifier whose
+# attention ignores packing reads: the trainer copies them when it does)
+HOST_KEYS = frozenset({"row_groups", "row_ids", "row_attn", "src", "dst"})
 
 
 # --------------------------------------------------------------------------- rows in

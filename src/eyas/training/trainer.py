@@ -326,16 +326,18 @@ class Trainer:
 
         B, S = mb["input_ids"].shape
         H = self.cfg.target_hidden_size or self.cfg.hidden_size
+        # the rows alone stay on the host until a forward needs them (batches.HOST_KEYS)
+        ids, attn, src, dst = (mb[k].to(self.device, non_blocking=True) for k in ("row_ids", "row_attn", "src", "dst"))
         parts_a, parts_h = [], []
         for start, end, width in mb["row_groups"].tolist():
-            a, h = forward_hidden_states(self.verifier, mb["row_ids"][start:end, :width], layer_ids=self.layer_ids,
-                                         attention_mask=mb["row_attn"][start:end, :width])  # fmt: skip
+            a, h = forward_hidden_states(self.verifier, ids[start:end, :width], layer_ids=self.layer_ids,
+                                         attention_mask=attn[start:end, :width])  # fmt: skip
             parts_a.append(a.reshape(-1, 3 * H))  # [rows * width, 3H]
             parts_h.append(h.reshape(-1, H))
         aux = torch.zeros(B * S, 3 * H, dtype=self.compute_dtype, device=self.device)
         last = torch.zeros(B * S, H, dtype=self.compute_dtype, device=self.device)
-        aux[mb["dst"]] = torch.cat(parts_a)[mb["src"]].to(self.compute_dtype)
-        last[mb["dst"]] = torch.cat(parts_h)[mb["src"]].to(self.compute_dtype)
+        aux[dst] = torch.cat(parts_a)[src].to(self.compute_dtype)
+        last[dst] = torch.cat(parts_h)[src].to(self.compute_dtype)
         return aux.view(B, S, 3 * H), last.view(B, S, H)
 
     def _packing_kept_rows_apart(self, mb: dict[str, torch.Tensor], aux: torch.Tensor, last: torch.Tensor) -> bool:
@@ -344,7 +346,7 @@ class Trainer:
         Equal means a mean relative difference per token under 5% (bfloat16 rounding through a few dozen
         layers stays near 1%; a row that sees another's tokens differs at the size of its states)."""
         ref_aux, ref_last = self._verifier_forward(lambda: self._grouped_states(mb))
-        dst = mb["dst"]
+        dst = mb["dst"].to(self.device)
         got = torch.cat([aux.flatten(0, 1)[dst], last.flatten(0, 1)[dst]], -1).float()  # [real tokens, 4H]
         ref = torch.cat([ref_aux.flatten(0, 1)[dst], ref_last.flatten(0, 1)[dst]], -1).float()
         diff = float(((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).mean())
