@@ -11,10 +11,10 @@ narrower k/v stay three matmuls, and gate/up two unless frozen. Here the weights
 
 - compiled (``torch.compiler.is_compiling()``), each part computes the whole merged matmul and keeps its
   columns: the parts' matmuls are the same operation on the same operands, which :class:`SameMatmulOnce`
-  (inductor's post-grad custom pass, set by :func:`eyas.verifier.compile.compiled_layers` and the draft's compile) computes once, with
-  no weight copied per step (the merged weight is a parameter, not a concatenation inside the graph). AOT
-  autograd's own common-subexpression pass runs on training graphs only: without this pass an inference
-  graph computed the merged matmul once per part;
+  (an inductor post-grad custom pass, in :data:`eyas.verifier.compile.COMPILE_OPTIONS` of every eyas compile)
+  computes once, with no weight copied per step (the merged weight is a parameter, not a concatenation inside
+  the graph). AOT autograd's own common-subexpression pass runs on training graphs only: without this pass an
+  inference graph computed the merged matmul once per part;
 - eager, each part multiplies by its own rows only (a view of the merged weight): the same matmul as the
   Linear it replaces, so an eager prefill costs what it did.
 
