@@ -99,6 +99,8 @@ def test_tiny_verifier_prompts_resume_and_feed_regenerate(make_tiny, tmp_path):
     o = m["outputs"]
     assert len(rows) == o["prompts"] > 0 and o["samples"] == o["prompts"] + sum(o["refused"].values())
     assert len({normalized(r["turns"][0]) for r in rows}) == len(rows)  # no duplicates
+    engine = m["timing"]["engine"]  # where the sampling's time went, as regenerate records it
+    assert engine["steps"] > 0 and engine["prefills"] > 0 and engine["decode_seconds"] >= 0, engine
     assert prompts(**kw)["created"] == m["created"]  # up to date: skipped
 
     # killed part way (after a few samples were journaled, the last line cut as a kill in mid-write leaves it):

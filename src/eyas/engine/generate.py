@@ -351,6 +351,17 @@ def row_bucket(n: int, num_slots: int) -> int:
     return min(next((b for b in ROW_BUCKETS if b >= n), num_slots), num_slots)
 
 
+def engine_summary(report: dict[str, Any], *, caller: str) -> str:
+    """One line of a :meth:`BatchDecoder.report`: where a batched run's time went (``caller``: what the caller's
+    own work beside the steps was)."""
+    r = report
+    return (f"{r['steps']:,} steps over {r['slots']:,} slots (slot use {r['slot_use']:.2f}, {r['row_use']:.2f} of "
+            f"the rows stepped), decoding {r['decode_seconds']:.1f} s, prefills {r['prefill_seconds']:.1f} s "
+            f"({r['prefills']:,}), graph recording {r['record_seconds']:.1f} s, {caller} {r['caller_seconds']:.1f} s "
+            f"beside the steps" + (f"; {r['compiles']} compiles took {r['compile_seconds']:.1f} s of those"
+                                   if r["compiles"] else ""))  # fmt: skip
+
+
 class BatchDecoder:
     """Continuous batching over slots: up to ``num_slots`` sequences decode together, one token each per
     step; a finished answer's slot takes the next waiting request (shortest prompt first) at once.

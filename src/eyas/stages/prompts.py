@@ -186,7 +186,7 @@ def unique_in_order(entries: dict[int, dict[str, Any]]) -> tuple[list[int], dict
 def run(c: PromptsConfig) -> dict[str, Any]:
     """Run `eyas prompts` as ``c`` describes (see :class:`PromptsConfig`)."""
     from eyas.data.chat import ChatTemplate
-    from eyas.engine.generate import device_and_dtype
+    from eyas.engine.generate import device_and_dtype, engine_summary
     from eyas.verifier.load import load_tokenizer
     from eyas.verifier.info import fingerprint, resolve
 
@@ -258,16 +258,19 @@ def run(c: PromptsConfig) -> dict[str, Any]:
                                                                            if k != "kept"}}  # fmt: skip
         if c.topics:
             outputs["prompts_by_topic"] = by_topic
+        engine = decoder.report() if decoder is not None else None  # where the sampling's time went
         m = output.finish(outputs=outputs, verifier_path=str(info.path),
                           user_turn_prefix=prefixes[0][0] if len(prefixes) == 1 else [p for p, _ in prefixes],
                           timing={"seconds": round(seconds, 2), "new_tokens": new_tokens,
-                                  "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)})  # fmt: skip
+                                  "new_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1),
+                                  **({"engine": engine} if engine else {})})  # fmt: skip
         journal.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             parts.rmdir()
         print(f"prompts: {written:,} prompts written by the verifier from {len(entries):,} samples -> "
               f"{out_dir / PROMPTS}\n  refused: {outputs['refused'] or 'none'}\n"
-              + (f"  by topic: {by_topic}\n" if c.topics else "") +
+              + (f"  by topic: {by_topic}\n" if c.topics else "")
+              + (f"  engine: {engine_summary(engine, caller='judging the samples')}\n" if engine else "") +
               f"  next: eyas regenerate --data {out_dir} (or a mix: --data sharegpt,{out_dir}) ...")  # fmt: skip
         return m
 

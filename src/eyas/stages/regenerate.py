@@ -285,13 +285,9 @@ def run(c: RegenerateConfig) -> dict[str, Any]:
                 shutil.rmtree(parts.parent, ignore_errors=True)
                 _print_summary(out_dir, outputs, report)
                 if engine:  # rank 0's decoder
-                    print(f"  engine: {engine['steps']:,} steps over {engine['slots']:,} slots (slot use "
-                          f"{engine['slot_use']:.2f}, {engine['row_use']:.2f} of the rows stepped), decoding "
-                          f"{engine['decode_seconds']:.1f} s, prefills {engine['prefill_seconds']:.1f} s, graph "
-                          f"recording {engine['record_seconds']:.1f} s, answers and next turns "
-                          f"{engine['caller_seconds']:.1f} s beside the steps"
-                          + (f"; {engine['compiles']} compiles took {engine['compile_seconds']:.1f} s of those"
-                             if engine["compiles"] else ""))  # fmt: skip
+                    from eyas.engine.generate import engine_summary
+
+                    print(f"  engine: {engine_summary(engine, caller='answers and next turns')}")
                 return m
 
             return d.run_on_main(finish)
