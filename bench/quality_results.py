@@ -91,6 +91,7 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu:
             },  # fmt: skip
             "seconds": t.get("seconds"),
             "new_tokens_per_s": t.get("new_tokens_per_s"),
+            "engine": t.get("engine"),  # where its time went: steps, prefills, recording, the caller's work
         }
     if prep:
         result["prepare"] = {k: prep["outputs"].get(k) for k in ("rows", "tokens", "masked_tokens")}
