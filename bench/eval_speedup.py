@@ -142,6 +142,11 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     hf = None
     if args.hf_generate and turn_ids:
+        from eyas.verifier.merged import unmerge_projections
+
+        # transformers' generate compiles the model itself, without eyas' same-matmul pass: merged parts would
+        # each compute the whole merged matmul there
+        unmerge_projections(env["model"])
         try:
             hf = hf_generate(env["model"], turn_ids, max_new_tokens=args.max_new_tokens, eos_ids=env["eos_ids"],
                              bound=bound)  # fmt: skip

@@ -10,7 +10,7 @@ from torch import nn
 
 from eyas.verifier.compile import COMPILE_OPTIONS
 from eyas.verifier.load import build_text_model, resolve
-from eyas.verifier.merged import MergedPart, merge_projections
+from eyas.verifier.merged import MergedPart, merge_projections, unmerge_projections
 
 
 def _matmuls(fn, *args) -> tuple[object, int]:
@@ -28,6 +28,7 @@ def test_merged_layers_decode_the_same(make_tiny, name):
         before = model(input_ids=ids).logits
         compiled_before, mm_before = _matmuls(model, ids)
     params = sum(p.numel() for p in model.parameters())
+    original_keys = list(model.state_dict())
     layers = model.config.num_hidden_layers
     assert merge_projections(model) == 2 * layers
     assert merge_projections(model) == 0  # already merged
@@ -45,6 +46,14 @@ def test_merged_layers_decode_the_same(make_tiny, name):
     assert mm_after == mm_before - 3 * layers, (mm_before, mm_after)
     torch.testing.assert_close(compiled_after.logits, compiled_before.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled_after.logits, before, rtol=1e-5, atol=1e-5)
+    # undone (for code that compiles the model without eyas' options): plain Linears, the same weights and keys
+    assert unmerge_projections(model) == 2 * layers and unmerge_projections(model) == 0
+    assert type(attn.k_proj) is nn.Linear and not hasattr(attn, "merged_qkv_proj")
+    assert set(model.state_dict()) == set(original_keys)
+    assert sum(p.numel() for p in model.parameters()) == params
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+        assert matmuls(output_code(lambda: torch.compile(model)(ids))[1]) == mm_before
 
 
 def test_merged_draft_attention_and_mlp(smollm2_path):

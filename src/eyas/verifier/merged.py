@@ -112,6 +112,31 @@ def merge_projections(model: nn.Module) -> int:
     return merged
 
 
+def unmerge_projections(model: nn.Module) -> int:
+    """Undo :func:`merge_projections` in place (each part a plain Linear again, holding a copy of its rows) -> how
+    many groups were split. For a model handed to code that compiles it without eyas' options (transformers'
+    ``generate`` with a static cache compiles itself): there each part would compute the whole merged matmul."""
+    split = 0
+    for module in list(model.modules()):
+        for key, names in GROUPS.items():
+            group = getattr(module, key, None)
+            if not isinstance(group, MergedLinear):
+                continue
+            for name in names:
+                part = getattr(module, name)
+                linear = nn.Linear(part.in_features, part.out_features, bias=part.bias is not None,
+                                   device=group.weight.device, dtype=group.weight.dtype)  # fmt: skip
+                with torch.no_grad():
+                    linear.weight.copy_(part.weight)
+                    if part.bias is not None:
+                        linear.bias.copy_(part.bias)
+                linear.weight.requires_grad_(group.weight.requires_grad)
+                setattr(module, name, linear)
+            delattr(module, key)
+            split += 1
+    return split
+
+
 _aten = torch.ops.aten
 #: pure, deterministic ops :class:`SameMatmulOnce` may compute once: a linear's decomposition and a part's slice
 _ONCE = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.permute.default,
