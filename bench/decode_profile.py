@@ -164,8 +164,12 @@ def main() -> None:
     # merging is in place: both ways on one model need a copy merged, taken before anything compiles (a compiled
     # layer's forward stays bound to the layer it was compiled from, which a deep copy does not rebind)
     both = {"off", "on"} <= set(merges)
-    merged_model = copy.deepcopy(env["model"]) if both else env["model"]
-    merged_draft = copy.deepcopy(env["draft"]) if both else env["draft"]
+
+    def to_merge(m):  # the model (or draft) the merged runs use
+        return copy.deepcopy(m) if both else m
+
+    merged_model = to_merge(env["model"])
+    merged_draft = to_merge(env["draft"]) if args.draft != "random" else None  # random drafts: one a layer count
     for variant, settings in inductor_variants(args.inductor):
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         with torch._inductor.config.patch(settings):
@@ -173,11 +177,11 @@ def main() -> None:
                 if args.draft == "random":
                     env["draft"] = random_draft(env["info"], seed=0, device=env["device"], dtype=env["dtype"],
                                                 num_layers=layers)  # fmt: skip
-                    merged_draft = copy.deepcopy(env["draft"]) if both else env["draft"]
+                    merged_draft = to_merge(env["draft"])
                 for attention in args.attention.split(","):
                     rows = {}
                     for freeze in args.freeze.split(","):
-                        for merge in args.merge.split(","):
+                        for merge in merges:
                             on = merge == "on"
                             rows[freeze, merge] = profile_loops(
                                 env, prompt, attention=attention, n=n, K=K, freeze=freezes[freeze], merge=on,
@@ -188,7 +192,7 @@ def main() -> None:
                             print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
                                               **on_off_ratios(rows[freeze, "off"], rows[freeze, "on"], "merge")}),
                                   flush=True)  # fmt: skip
-                    for merge in args.merge.split(","):
+                    for merge in merges:
                         if {("off", merge), ("on", merge)} <= rows.keys():
                             print(json.dumps({"inductor": variant, "draft_layers": layers, "merge": merge,
                                               **on_off_ratios(rows["off", merge], rows["on", merge], "freeze")}),

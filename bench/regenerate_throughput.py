@@ -59,8 +59,8 @@ def kept(tokens: list[int], eos: set[int]) -> int:
 def run_engine(model, prompts: list[list[int]], *, eos, max_new_tokens: int, max_len: int, batch_tokens: int,
                graphs: bool, attention: str = "auto", compile_prefill: bool = False,
                cold: bool = False) -> dict:  # fmt: skip
-    """``compile_prefill``: the prefills' layers compiled (the engine's default: eager); ``cold``: no warm-up, so the timing holds every
-    compile and graph recording, as one `eyas regenerate` pays them."""
+    """``compile_prefill``: the prefills' layers compiled (the engine's default: eager); ``cold``: no warm-up, so
+    the timing holds every compile and graph recording, as one `eyas regenerate` pays them."""
     dev = next(model.parameters()).device
     torch._dynamo.reset()  # each method compiles from nothing: an earlier one's compiled code is not reused
     t0 = time.perf_counter()
@@ -175,8 +175,8 @@ def main() -> None:
         help="keep prompts of at most this many tokens (one padded length: generate compiles once)",
     )
     ap.add_argument("--methods", help="engine, engine-eager (no CUDA graphs), engine-flex, engine-sdpa, "
-                    "engine-compiled-prefill (prefills compiled with symbolic shapes), hf-static, hf-cb (default: engine,hf-static,hf-cb; "
-                    "with --smoke engine,hf-static)")  # fmt: skip
+                    "engine-compiled-prefill (prefills compiled with symbolic shapes), hf-static, hf-cb (default: "
+                    "engine,hf-static,hf-cb; with --smoke engine,hf-static)")  # fmt: skip
     ap.add_argument("--cold", action="store_true", help="the engine's methods without their warm-up: compiling "
                     "and graph recording timed, as one `eyas regenerate` pays them")  # fmt: skip
     ap.add_argument("--dtype", default="bf16")
