@@ -61,7 +61,8 @@ from eyas.engine.speculative import plain_generate, speculative_generate  # noqa
 
 
 def kernels(fn, steps: int, top: int = 5) -> dict:
-    """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time."""
+    """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time, and the
+    kernels by how many a step launches (what fusing would take away: a step is bound by its kernel count)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -69,11 +70,15 @@ def kernels(fn, steps: int, top: int = 5) -> dict:
         fn()
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by: dict[str, float] = {}
+    count: dict[str, int] = {}
     for e in ev:
         by[e.name] = by.get(e.name, 0.0) + e.device_time
+        count[e.name] = count.get(e.name, 0) + 1
+    most = sorted(count.items(), key=lambda x: -x[1])[:12]
     top = sorted(by.items(), key=lambda x: -x[1])[:top]
     return {"kernels_per_step": len(ev) / steps, "gpu_ms_per_step": sum(by.values()) / 1e3 / steps,
-            "top_kernels_ms_per_step": {k[:80]: round(v / 1e3 / steps, 4) for k, v in top}}  # fmt: skip
+            "top_kernels_ms_per_step": {k[:80]: round(v / 1e3 / steps, 4) for k, v in top},
+            "most_launched_per_step": {k[:80]: round(n / steps, 1) for k, n in most}}  # fmt: skip
 
 
 def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> dict:
