@@ -392,7 +392,9 @@ class BatchDecoder:
         self.top_p, self.repetition_penalty = top_p, repetition_penalty
         self.max_len = max_len
         self.num_slots = min(batch_tokens // max_len, MAX_ROWS)
-        self.prefill_tokens = max(prefill_tokens or 4 * max_len, max_len)
+        # default: four sequences' worth, at least 8,192 tokens, so short prompts (eyas prompts' user-turn
+        # prefixes, a few dozen tokens each) fill a refill's free slots in one forward, not one per 4 * max_len
+        self.prefill_tokens = max(prefill_tokens or max(4 * max_len, 8192), max_len)
         self.sync_every = max(1, sync_every)
         self.slots = Slots(slots=self.num_slots, capacity=max_len, layers=layer_shapes(model), dtype=p.dtype,
                            device=p.device, attention=attention)  # fmt: skip
