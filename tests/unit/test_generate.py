@@ -97,6 +97,22 @@ def test_rows_are_capped_whatever_the_budget(make_tiny, monkeypatch):
     assert [c.tokens for c in capped] == [c.tokens for c in wide] and all(len(c.tokens) == 6 for c in capped)
 
 
+def test_short_prompts_fill_the_free_slots_in_one_prefill(make_tiny):
+    """Short sequences (eyas prompts' user-turn prefixes): by default a prefill packs at least 8,192 tokens, so
+    64 prompts of 20 tokens entering 64 free slots are one forward (with four sequences' worth, 160 tokens, they
+    were eight), and the answers are what prefills of 8 prompts each give."""
+    model = build_text_model(resolve(make_tiny("llama").path))
+    reqs = [Request(key=i, tokens=[5 + i] + [7] * 19, max_new_tokens=4) for i in range(64)]
+    kw = dict(eos_ids=set(), max_len=40, batch_tokens=40 * 64, cuda_graphs=False)
+    one = BatchDecoder(model, **kw)
+    assert one.prefill_tokens == 8192
+    packed = {c.key: c.tokens for c in one.run(RequestQueue(reqs))}
+    assert one.report()["prefills"] == 1
+    eight = BatchDecoder(model, prefill_tokens=4 * 40, **kw)
+    apart = {c.key: c.tokens for c in eight.run(RequestQueue(reqs))}
+    assert eight.report()["prefills"] == 8 and packed == apart and all(len(t) == 4 for t in packed.values())
+
+
 def test_requests_pushed_while_running_are_answered():
     """A caller pushes a follow-up request after each completion (a conversation's next turn); the loop
     answers them too and stops only when nothing is waiting or decoding."""
