@@ -159,8 +159,9 @@ def main() -> None:
         return
     env = setup(verifier=args.verifier, draft=args.draft, device=device, dtype="auto", seed=0)
     K, n = args.draft_tokens, args.new_tokens
-    prompt = torch.randint(100, 20000 if not args.smoke else 400, (args.prompt_len,), generator=torch.Generator()
-                           .manual_seed(0)).tolist()  # fmt: skip
+    vocab = env["model"].get_input_embeddings().num_embeddings  # a small verifier's too (tests' tiny ones)
+    prompt = torch.randint(min(100, vocab // 4), min(20000, vocab), (args.prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
     freezes = {"off": False, "on": True, "auto": None}
     layer_counts = [int(x) for x in args.draft_layers.split(",")]
     if args.draft != "random" and layer_counts != [1]:

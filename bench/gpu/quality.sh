@@ -32,7 +32,9 @@
 # Settings: CONFIG (default configs/smollm2-gpu.toml), SET (more `eyas run --set` overrides, comma-separated:
 # sizes for a smaller run or a CPU dry run), UNTIL (stop after this stage: a call that should not start an eval
 # it cannot finish, since an eval starts over when cut), COMMIT (recorded in the results), BUDGET (seconds of this call), R (the run folder, default /tmp/q),
-# GGUF_FILE (another checkpoint, used as it is), DATA (the prompt files' folder; default /tmp/g).
+# GGUF_FILE (another checkpoint, used as it is), DATA (the prompt files' folder; default /tmp/g), PROFILE (once every
+# stage is done, bench/decode_profile.py --merge off,on with the trained draft in the call's remaining time:
+# $OUT/profile.jsonl; PROFILE_ATTENTION, PROFILE_ARGS: its --attention and more of its flags).
 # What `eyas run` printed, the manifests, run_log.jsonl and the eval reports land in $OUT/run.tar.gz, and
 # $OUT/status.txt; $OUT/smollm2-quality.json once every stage is done. With KEEP_DATA=1, the call that finishes
 # regenerate also returns its conversations (gzip, in parts of 15 MB: $OUT/regenerated.tgz.00, .01, ...; join
@@ -120,7 +122,13 @@ case $rc in
   0) [ -z "${UNTIL:-}" ] || { echo "stages up to $UNTIL done: call again without UNTIL for the rest" | tee -a "$OUT/status.txt"; exit 0; }
      $PY bench/quality_results.py "$R" --out "$OUT/smollm2-quality.json" ${COMMIT:+--commit $COMMIT} \
        | tee -a "$OUT/status.txt"; [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
-     echo "all stages done: $OUT/smollm2-quality.json (for bench/results/)" | tee -a "$OUT/status.txt" ;;
+     echo "all stages done: $OUT/smollm2-quality.json (for bench/results/)" | tee -a "$OUT/status.txt"
+     # PROFILE=1: in the time this call has left, the plain step and the speculative round of the real verifier
+     # with the draft just trained, q/k/v and gate/up separate and merged (one machine for both measurements)
+     if [ -n "${PROFILE:-}" ] && [ $((BUDGET - (SECONDS - t0))) -gt 30 ]; then
+       run profile timeout -k 10 $((BUDGET - (SECONDS - t0))) $PY bench/decode_profile.py --verifier "$GGUF" \
+         --draft "$R/draft" --attention "${PROFILE_ATTENTION:-flex}" --freeze off --merge off,on ${PROFILE_ARGS:-}
+     fi ;;
   124|130|137) echo "cut by the budget: call again to resume" | tee -a "$OUT/status.txt"; exit 0 ;;
   *) echo "eyas run failed: see run.log in run.tar.gz" | tee -a "$OUT/status.txt"; exit 1 ;;
 esac

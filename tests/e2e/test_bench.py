@@ -180,8 +180,14 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     log = (tmp_path / "q2" / "run.log").read_text()
     assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
     assert (tmp_path / "q2" / "vocab" / "manifest.json").is_file()
-    done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets)
+    done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, PROFILE="1",
+                       PROFILE_ATTENTION="sdpa", PROFILE_ARGS="--new-tokens 8 --prompt-len 12")  # fmt: skip
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
+    # PROFILE: the trained draft's rounds on the verifier, q/k/v and gate/up separate and merged
+    profiled = [json.loads(line) for line in (tmp_path / "out2" / "profile.jsonl").read_text().splitlines()]
+    assert [r.get("merge") for r in profiled if "compare" not in r] == ["off", "on"], profiled
+    assert all(r.get("spec_lossless") for r in profiled if "compare" not in r), [r.get("error") for r in profiled]
+    assert [r["compare"] for r in profiled if "compare" in r] == ["merge on/off"], profiled
     got = json.loads((tmp_path / "out2" / "smollm2-quality.json").read_text())
     assert set(got["eval"]) == {"mt-bench", "humaneval"} and got["complete"] is True
     assert got["eval"]["mt-bench"]["K=3"]["num_prompts"] == 1 and got["eval"]["humaneval"]["K=3"]["lossless"]
