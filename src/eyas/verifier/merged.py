@@ -130,7 +130,7 @@ def unmerge_projections(model: nn.Module) -> int:
                     linear.weight.copy_(part.weight)
                     if part.bias is not None:
                         linear.bias.copy_(part.bias)
-                linear.weight.requires_grad_(group.weight.requires_grad)
+                linear.requires_grad_(group.weight.requires_grad)  # weight and bias, as merging kept them
                 setattr(module, name, linear)
             delattr(module, key)
             split += 1
