@@ -30,7 +30,15 @@ the batch and the keys grow, and where that time goes.
     PYTHONPATH=src:/tmp/site python3 bench/decode_profile.py --verifier /tmp/smol-random --batched 256,1024,2048 \
         --live 256,1024
 
-Prints one JSON line per attention implementation (or per row count and live length).
+With ``--prefill TOKENS,...`` it profiles instead a prefill of ``eyas regenerate`` (``BatchDecoder._prefill``:
+prompts of ``--prefill-len`` tokens each, as many as fill TOKENS, right-padded and packed into one eager forward):
+milliseconds and tokens/s by the host's clock beside the GPU's busy time and kernel count, so a prefill's cost
+reads as host-bound (busy time far below the wall time: fewer, larger prefills pay) or as the GPU's own work.
+
+    PYTHONPATH=src:/tmp/site python3 bench/decode_profile.py --verifier /tmp/smol-random --prefill 2048,8192,32768 \
+        --prefill-len 256
+
+Prints one JSON line per attention implementation (or per row count and live length, or per prefill size).
 """
 
 from __future__ import annotations
@@ -81,6 +89,18 @@ def kernels(fn, steps: int, top: int = 5) -> dict:
             "most_launched_per_step": {k[:80]: round(n / steps, 1) for k, n in most}}  # fmt: skip
 
 
+def timed(run, n: int) -> tuple[float, float, dict]:
+    """``run(k)`` (k repeats of one operation, synchronised) once cold, then ``n`` times timed and ``n`` times
+    profiled -> (the cold run's seconds, milliseconds per repeat, :func:`kernels` per repeat)."""
+    t0 = time.perf_counter()
+    run(1)
+    warmup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run(n)
+    ms = 1e3 * (time.perf_counter() - t0) / n
+    return warmup, ms, kernels(lambda: run(n), n, top=8)
+
+
 def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> dict:
     """One step of :class:`BatchDecoder` with ``rows`` busy slots each at position ``live`` (keys of earlier
     positions are whatever the buffers hold: the cost does not depend on them), replayed as its graph."""
@@ -100,13 +120,7 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
         sync()
 
     with torch.no_grad(), slot_attention(model, dec.slots), varying_shape_attention(dev):
-        t0 = time.perf_counter()
-        run(1)
-        warmup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        run(steps)
-        ms = 1e3 * (time.perf_counter() - t0) / steps
-        prof = kernels(lambda: run(steps), steps, top=8)
+        warmup, ms, prof = timed(run, steps)
         # the step's tokens against one eager SDPA step from the same state (random weights: near ties may flip)
         got = dec.graphs.run(("step", R, dec.slots.keys), step).clone()
         used, dec.slots.attention = dec.slots.attention, "sdpa"
@@ -115,6 +129,36 @@ def batched(model, rows: int, live: int, *, attention: str, steps: int = 20) -> 
     return {"rows": rows, "live": live, "attention": dec.slots.attention, "warmup_s": round(warmup, 1),
             "ms_per_step": round(ms, 3), "tokens_per_s": round(rows / ms * 1e3), "kv_gib": round(dec.kv_bytes / 2**30, 2),
             "agree_with_sdpa": round(agree, 4), "step_profile": prof}  # fmt: skip
+
+
+def prefill(model, tokens: int, length: int, *, repeats: int = 5) -> dict:
+    """One prefill of :class:`BatchDecoder` (its ``_prefill``, eager as ``eyas regenerate`` runs it): ``tokens //
+    length`` random prompts of ``length`` tokens into as many slots, timed over ``repeats`` by the host's clock
+    (synchronised) and profiled. Each repeat writes the same keys and values into the same slots."""
+    from eyas.engine.generate import Request
+
+    dev = next(model.parameters()).device
+    B = max(1, tokens // length)
+    dec = BatchDecoder(model, eos_ids=set(), max_len=length + 8, batch_tokens=B * (length + 8),
+                       prefill_tokens=B * length)  # fmt: skip
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(100, vocab // 4), vocab, (B, length), generator=g).tolist()
+    batch = [(s, Request(key=s, tokens=ids[s], max_new_tokens=1)) for s in range(B)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            dec._prefill(batch)
+        sync()
+
+    with torch.no_grad(), slot_attention(model, dec.slots), varying_shape_attention(dev):
+        warmup, ms, prof = timed(run, repeats)
+    busy = prof["gpu_ms_per_step"]
+    return {"prefill_tokens": B * length, "prompts": B, "prompt_len": length, "warmup_s": round(warmup, 2),
+            "ms_per_prefill": round(ms, 3), "tokens_per_s": round(B * length / ms * 1e3),
+            "gpu_busy_ms": round(busy, 3), "gpu_busy_share": round(busy / ms, 3) if ms else None,
+            "prefill_profile": prof}  # fmt: skip
 
 
 def main() -> None:
@@ -129,6 +173,9 @@ def main() -> None:
                     "what a layer more costs a round (train --num-layers)")  # fmt: skip
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
     ap.add_argument("--live", default="256", help="with --batched: each row's position (comma-separated)")
+    ap.add_argument("--prefill", default="", help="prompt tokens a prefill (comma-separated): profile "
+                    "regenerate's prefill instead")  # fmt: skip
+    ap.add_argument("--prefill-len", type=int, default=256, help="with --prefill: each prompt's length")
     ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
     ap.add_argument("--merge", default="on", help="off, on, or both (off,on): q/k/v and gate/up merged or not")
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
@@ -145,6 +192,19 @@ def main() -> None:
         args.prompt_len, args.new_tokens = 20, 16
         if args.batched:
             args.batched, args.live = "4", "20"
+        if args.prefill:
+            args.prefill, args.prefill_len = "40,80", 20
+    if args.prefill:
+        env = setup(verifier=args.verifier, draft="random", device=device, dtype="auto", seed=0)
+        for tokens in map(int, args.prefill.split(",")):
+            try:
+                row = prefill(env["model"], tokens, args.prefill_len)
+            except Exception as e:  # one size failing (memory) must not hide the others
+                row = {"prefill_tokens": tokens, "prompt_len": args.prefill_len, "error": f"{type(e).__name__}: {e}"}
+            row["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return
     if args.batched:
         env = setup(verifier=args.verifier, draft="random", device=device, dtype="auto", seed=0)
         for attention in args.attention.split(","):

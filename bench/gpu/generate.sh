@@ -19,8 +19,9 @@
 # profiled), the GPU tests of the graphed steps, eval's loops on 4 MT-Bench questions against transformers'
 # static generate, and the batched engine with each slot attention on 1,024 ShareGPT prompts:
 #   bash bench/gpu/generate.sh quick
-# or, in one call of about 2 minutes on the random-weight model, what one batched step of eyas regenerate costs
-# by row count and live keys, with each slot attention, and where its time goes (bench/decode_profile.py --batched):
+# or, in one call of about 3 minutes on the random-weight model, what one batched step of eyas regenerate costs
+# by row count and live keys, with each slot attention, and where its time goes (bench/decode_profile.py --batched),
+# then what one of its prefills costs by size, against the GPU's busy time (--prefill):
 #   bash bench/gpu/generate.sh batched
 # or, in one call of at most about 9 minutes (its timeouts) on the random-weight model, what a plain step and a
 # speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
@@ -73,6 +74,8 @@ P=$(carried sharegpt_prompts.jsonl.gz)
 if [ "$mode" = batched ]; then
   run batched timeout ${BATCHED_TIMEOUT:-150} python3 bench/decode_profile.py --verifier $V --attention ${ATTN:-flex,sdpa} \
     --batched ${ROWS:-256,1024,2048} --live ${LIVE:-256,1024}
+  run prefill timeout 120 python3 bench/decode_profile.py --verifier $V --prefill ${PREFILL:-2048,8192,32768} \
+    --prefill-len ${PREFILL_LEN:-256}
   collect
   exit 0
 fi

@@ -289,6 +289,18 @@ def test_decode_profile_batched_smoke(tmp_path):
     )
 
 
+def test_decode_profile_prefill_smoke(tmp_path):
+    """bench/decode_profile.py --prefill (regenerate's prefill, timed and profiled per size) runs its whole logic
+    on a tiny random Llama: each size packs as many prompts of --prefill-len as fill it."""
+    rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--prefill", "1"], tmp_path)
+    assert [(r.get("error"), r["prefill_tokens"], r["prompts"], r["prompt_len"]) for r in rows] == [
+        (None, 40, 2, 20),
+        (None, 80, 4, 20),
+    ]
+    assert all(r["ms_per_prefill"] > 0 and r["tokens_per_s"] > 0 and r["prefill_profile"]["kernels_per_step"] >= 0
+               for r in rows)  # fmt: skip
+
+
 def test_int4_memory_smoke(tmp_path):
     """bench/int4_memory.py at tiny dims, every stage: the packed int4 MoE verifier holds fewer bytes than its
     bf16 copy, their states agree within int4 tolerance, eyas plan's prediction is within a few percent of both,
