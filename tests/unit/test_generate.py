@@ -98,14 +98,14 @@ def test_rows_are_capped_whatever_the_budget(make_tiny, monkeypatch):
 
 
 def test_short_prompts_fill_the_free_slots_in_one_prefill(make_tiny):
-    """Short sequences (eyas prompts' user-turn prefixes): by default a prefill packs at least 8,192 tokens, so
+    """Short sequences (eyas prompts' user-turn prefixes): by default a prefill packs at least 32,768 tokens, so
     64 prompts of 20 tokens entering 64 free slots are one forward (with four sequences' worth, 160 tokens, they
     were eight), and the answers are what prefills of 8 prompts each give."""
     model = build_text_model(resolve(make_tiny("llama").path))
     reqs = [Request(key=i, tokens=[5 + i] + [7] * 19, max_new_tokens=4) for i in range(64)]
     kw = dict(eos_ids=set(), max_len=40, batch_tokens=40 * 64, cuda_graphs=False)
     one = BatchDecoder(model, **kw)
-    assert one.prefill_tokens == 8192
+    assert one.prefill_tokens == 32768
     packed = {c.key: c.tokens for c in one.run(RequestQueue(reqs))}
     assert one.report()["prefills"] == 1
     eight = BatchDecoder(model, prefill_tokens=4 * 40, **kw)

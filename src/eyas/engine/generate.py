@@ -381,7 +381,8 @@ class BatchDecoder:
     def __init__(self, model, *, eos_ids: set[int], max_len: int, batch_tokens: int, temperature: float = 0.0,
                  prefill_tokens: int | None = None, sync_every: int = 8, pad_id: int = 0,
                  cuda_graphs: bool = True, compile: bool = True, attention: str = "auto", top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, compile_prefill: bool = False) -> None:  # fmt: skip
+                 repetition_penalty: float = 1.0, compile_prefill: bool = False,
+                 refill_slots: int | None = None) -> None:  # fmt: skip
         if batch_tokens < max_len:
             raise EyasError(f"--batch-tokens {batch_tokens} holds no sequence of --max-seq-len {max_len}; give "
                             f"at least {max_len}")  # fmt: skip
@@ -392,9 +393,18 @@ class BatchDecoder:
         self.top_p, self.repetition_penalty = top_p, repetition_penalty
         self.max_len = max_len
         self.num_slots = min(batch_tokens // max_len, MAX_ROWS)
-        # default: four sequences' worth, at least 8,192 tokens, so short prompts (eyas prompts' user-turn
-        # prefixes, a few dozen tokens each) fill a refill's free slots in one forward, not one per 4 * max_len
-        self.prefill_tokens = max(prefill_tokens or max(4 * max_len, 8192), max_len)
+        # default: four sequences' worth, at least 32,768 tokens, so a refill's free slots (an eighth of them, see
+        # run) take one forward, not one per 4 * max_len: an eager prefill of a small model costs its kernels'
+        # launches more than its tokens (SmolLM2-135M's 1,480 prefills of 5.7k tokens on average took 38.3 of
+        # regenerate's 128.9 s on an H100 at 3877c1d, about 26 ms each)
+        self.prefill_tokens = max(prefill_tokens or max(4 * max_len, 32768), max_len)
+        # free slots that start a refill while others decode: fewer, larger prefills against slots left idle
+        # until then (half of them on average). Over a run of A answers, refills cost A / refill_slots prefills'
+        # fixed cost, and the idle slots refill_slots / (2 * num_slots) of the steps' time: with the run above
+        # (44,577 answers, 47 s of steps over 710 slots, ~20 ms a prefill by the estimate) the sum is least near
+        # a quarter of the slots; an eighth takes most of the gain (the estimate: 16 against 28 s at a
+        # sixteenth, 12 at a quarter) while the idle slots' cost, which is sure, stays small
+        self.refill_slots = max(1, refill_slots or self.num_slots // 8)
         self.sync_every = max(1, sync_every)
         self.slots = Slots(slots=self.num_slots, capacity=max_len, layers=layer_shapes(model), dtype=p.dtype,
                            device=p.device, attention=attention)  # fmt: skip
@@ -528,9 +538,9 @@ class BatchDecoder:
         with slot_attention(self.model, self.slots), varying_shape_attention(self.device):
             while True:
                 free = [s for s in range(S) if active[s] is None]
-                # refill: at once when idle, else once a sixteenth of the slots is free (a prefill is one eager
-                # forward; batching them keeps its cost per prompt low)
-                if queue and free and (len(free) == S or len(free) >= max(1, S // 16) or len(queue) < len(free)):
+                # refill: at once when idle, else once refill_slots are free (a prefill is one eager forward;
+                # batching them keeps its cost per prompt low)
+                if queue and free and (len(free) == S or len(free) >= self.refill_slots or len(queue) < len(free)):
                     t0 = time.perf_counter()
                     for c in self._admit(queue, free, active, made, at, room):
                         self.stats["prefill_seconds"] += time.perf_counter() - t0
