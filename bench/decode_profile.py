@@ -16,6 +16,9 @@ With ``--merge off,on`` each attention (and freeze) runs twice, the verifier's a
 as separate matmuls and merged into one each (eval's default where the layers compile: eyas.verifier.merged; the
 merged run on copies of both models, so the unmerged ones stay as loaded), then a line of on/off ratios.
 
+With ``--draft-attention sdpa,matmul`` each attention runs once per draft-cache attention: SDPA (eval's) or two
+matmuls around a masked softmax (whether a step's few queries read the draft's whole cache faster as GEMMs).
+
 With ``--inductor "default;max_autotune_gemm=True"`` (variants split by ``;``, each ``key=value`` settings of
 ``torch._inductor.config`` split by ``,``) each attention and freeze runs once per variant, everything compiled
 again under that variant's settings (``torch._dynamo.reset()`` between them): e.g. whether inductor's Triton GEMM
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import json
 import sys
 import tempfile
@@ -178,6 +182,12 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=256, help="with --prefill: each prompt's length")
     ap.add_argument("--freeze", default="auto", help="off, on, auto, or several (off,on): compile frozen or not")
     ap.add_argument("--merge", default="on", help="off, on, or both (off,on): q/k/v and gate/up merged or not")
+    ap.add_argument(
+        "--draft-attention",
+        default="sdpa",
+        help="the draft cache's attention (comma-separated): "
+        "sdpa (eval's), matmul (eyas.draft.attention._matmul_attention)",
+    )
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -244,7 +254,12 @@ def main() -> None:
                     env["draft"] = random_draft(env["info"], seed=0, device=env["device"], dtype=env["dtype"],
                                                 num_layers=layers)  # fmt: skip
                     merged_draft = to_merge(env["draft"])
-                for attention in args.attention.split(","):
+                for attention, draft_attention in itertools.product(
+                    args.attention.split(","), args.draft_attention.split(",")
+                ):
+                    for d in filter(None, (env["draft"], merged_draft)):  # the cache eval's rounds make reads it
+                        d.attn_implementation = draft_attention
+                    tag = {"inductor": variant, "draft_layers": layers, "draft_attention": draft_attention}
                     rows = {}
                     for freeze in args.freeze.split(","):
                         for merge in merges:
@@ -252,15 +267,15 @@ def main() -> None:
                             rows[freeze, merge] = profile_loops(
                                 env, prompt, attention=attention, n=n, K=K, freeze=freezes[freeze], merge=on,
                                 model=merged_model if on else None, draft=merged_draft if on else None)  # fmt: skip
-                            print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
-                                              "merge": merge, **rows[freeze, merge]}), flush=True)  # fmt: skip
+                            print(json.dumps({**tag, "freeze": freeze, "merge": merge, **rows[freeze, merge]}),
+                                  flush=True)  # fmt: skip
                         if {(freeze, "off"), (freeze, "on")} <= rows.keys():
-                            print(json.dumps({"inductor": variant, "draft_layers": layers, "freeze": freeze,
+                            print(json.dumps({**tag, "freeze": freeze,
                                               **on_off_ratios(rows[freeze, "off"], rows[freeze, "on"], "merge")}),
                                   flush=True)  # fmt: skip
                     for merge in merges:
                         if {("off", merge), ("on", merge)} <= rows.keys():
-                            print(json.dumps({"inductor": variant, "draft_layers": layers, "merge": merge,
+                            print(json.dumps({**tag, "merge": merge,
                                               **on_off_ratios(rows["off", merge], rows["on", merge], "freeze")}),
                                   flush=True)  # fmt: skip
 

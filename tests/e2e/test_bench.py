@@ -257,17 +257,17 @@ def test_eval_speedup_smoke(tmp_path):
 
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
-    profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant
-    and draft layer count."""
+    profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant,
+    draft layer count and draft-cache attention."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
-                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--draft-layers", "1,2"],
-                       tmp_path)  # fmt: skip
+                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--draft-layers", "1,2",
+                        "--draft-attention", "sdpa,matmul"], tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
-    assert [(r["inductor"], r["draft_layers"]) for r in rows] == [
-        ("default", 1),
-        ("default", 2),
-        (tuned, 1),
-        (tuned, 2),
+    assert [(r["inductor"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
+        (variant, layers, attention)
+        for variant in ("default", tuned)
+        for layers in (1, 2)
+        for attention in ("sdpa", "matmul")
     ]
     for r in rows:
         assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r

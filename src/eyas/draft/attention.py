@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-AttnImpl = Literal["eager", "sdpa", "flex"]
+AttnImpl = Literal["eager", "sdpa", "flex", "matmul"]
 
 
 def default_attn_implementation(device: torch.device | str) -> AttnImpl:
@@ -31,6 +31,26 @@ def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, h, T, S]
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Decoding's attention as two batched matmuls around a masked fp32 softmax, the query heads that share a
+    key head folded into the query rows (no repeated keys). q [B,h,T,d], k/v [B,kv,S,d], mask [B,1,T,S].
+
+    Why: SDPA's memory-efficient kernel, the one that takes a mask, runs a program per block of 64 queries and
+    head, each walking every key, so a draft step's one to K+1 queries against its whole cache run as a few
+    programs (the draft's attention took 0.17 ms of a 1.52 ms busy round on an H100, docs/BENCHMARKS.md). As
+    matmuls inside the draft's compiled step, each GEMM spreads the keys over the GPU and the mask fuses into
+    the softmax. Numerically :func:`_eager_attention` (fp32 scores and softmax)."""
+    B, h, T, d = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    G = h // kv
+    f = torch.promote_types(q.dtype, torch.float32)  # fp32 at least (float64 stays)
+    qg = q.reshape(B, kv, G * T, d).to(f)  # [B, kv, G*T, d]: query head i reads key head i // G
+    scores = torch.matmul(qg, k.to(f).transpose(-1, -2)) * scale  # [B, kv, G*T, S]
+    scores = scores.view(B, kv, G, T, S).masked_fill(~mask[:, :, None], float("-inf"))  # mask [B, 1, 1, T, S]
+    probs = torch.softmax(scores, dim=-1).view(B, kv, G * T, S)
+    return torch.matmul(probs, v.to(f)).view(B, h, T, -1).to(q.dtype)  # [B, kv, G*T, d] -> [B, h, T, d]
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -120,6 +140,8 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """Attention under a context's mask, in the context's implementation. q [B,h,T,d]; keys/values [B,kv,S,d];
     ``mask``: a ``BlockMask`` for flex, a dense ``[B, 1, T, S]`` boolean otherwise. Returns [B,h,T,d]."""
     groups = q.shape[1] // keys.shape[1]
+    if impl == "matmul":
+        return _matmul_attention(q, keys, values, mask, scale)
     if impl == "flex":
         return _flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=groups > 1)
     keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
@@ -174,6 +196,7 @@ class DraftCache:
                  attn_implementation: AttnImpl = "sdpa", num_layers: int = 1) -> None:  # fmt: skip
         if attn_implementation == "flex":
             attn_implementation = "sdpa"  # decoding a few tokens: a dense mask is cheaper than a BlockMask
+        # "matmul" (_matmul_attention) reads the whole cache as SDPA does, in GEMMs spread over the keys
         self.impl = attn_implementation
         self.num_kv_heads = num_kv_heads
         shape = (batch_size, num_layers * num_kv_heads, max_len, head_dim)
