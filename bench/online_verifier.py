@@ -15,7 +15,12 @@ much padding the forward computes on:
 - ``grouped_compiled``: the trainer's groups through the verifier's decoder layers compiled with symbolic shapes
   (``eyas.verifier.compile.compiled_layers(dynamic=True)``, the regional compile the engine's prefills use): a
   small verifier's eager forward is bound by its element-wise kernels (RMSNorm, RoPE, SiLU in several passes
-  each), which the compiled layers fuse. Its compile is the warm-up micro-batch's.
+  each), which the compiled layers fuse. Its compile is the warm-up micro-batch's;
+- ``packed_compiled``: ``packed`` through the compiled layers, what ``eyas train --online`` runs by default
+  (``--verifier-attention sdpa``): SDPA under the dense block-diagonal mask, every sequence's whole length of
+  keys for every query (the recipe's rows average about 320 tokens in sequences of 2,048);
+- ``packed_flex_compiled``: the same with transformers' ``flex_attention`` implementation (``--verifier-attention
+  flex``): the mask as a ``BlockMask``, so the attention reads only the key blocks a query's row shares with it.
 
 Each way's states on the real tokens are compared with ``one_batch``'s (max relative difference); tokens/s
 counts real tokens over the forward's wall time (device synced), the first micro-batch left out as warm-up.
@@ -50,7 +55,7 @@ from extract_throughput import random_smollm2, synthetic_rows, tiny_verifier  # 
 
 from eyas.training.batches import PreparedRows, Row, StepData, plan_epoch  # noqa: E402
 from eyas.verifier.info import default_aux_layer_ids  # noqa: E402
-from eyas.verifier.compile import compiled_layers  # noqa: E402
+from eyas.verifier.compile import compiled_layers, run_dynamic  # noqa: E402
 from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
 
@@ -72,6 +77,17 @@ def _states(model, ids, layer_ids, **kw) -> torch.Tensor:
     return torch.cat([aux, last], -1)  # [rows, T, 4H]
 
 
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """``model`` attending through transformers' implementation ``name`` inside the block."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def run_way(model, mb: dict[str, torch.Tensor], layer_ids: list[int], device: torch.device, way: str) -> torch.Tensor:
     """One way's states of the micro-batch's real tokens, in the packed batch's order (by ``dst``): ``[N, 4H]``."""
     ids, attn, src, dst = (mb[k].to(device) for k in ("row_ids", "row_attn", "src", "dst"))
@@ -80,7 +96,7 @@ def run_way(model, mb: dict[str, torch.Tensor], layer_ids: list[int], device: to
         full = _states(model, ids, layer_ids, attention_mask=attn)  # [n, Lmax, 4H]
         rows, cols = torch.nonzero(attn, as_tuple=True)  # row-major: the rows in group order, as src lists them
         return full[rows, cols][order]
-    if way in ("grouped", "grouped_compiled"):
+    if way.startswith("grouped"):
         parts = [_states(model, ids[s:e, :w], layer_ids, attention_mask=attn[s:e, :w]).flatten(0, 1)
                  for s, e, w in mb["row_groups"].tolist()]  # fmt: skip
         return torch.cat(parts)[src][order]
@@ -124,8 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
                           max_len=a.max_seq_len, seqs_per_micro_batch=seqs, micro_batches_per_step=1)  # fmt: skip
         data = StepData(source, plan, rank=0, grad_accum=1, max_len=a.max_seq_len, seqs=seqs, lengths=lengths)
         picks = list(range(min(a.micro_batches + 1, len(plan))))  # the first: warm-up
-        seconds = dict.fromkeys(("one_batch", "grouped", "packed", "grouped_compiled"), 0.0)
-        worst = {"grouped": 0.0, "packed": 0.0, "grouped_compiled": 0.0}
+        seconds = dict.fromkeys(("one_batch", "grouped", "packed", "grouped_compiled", "packed_compiled",
+                                 "packed_flex_compiled"), 0.0)  # fmt: skip
+        worst = dict.fromkeys(list(seconds)[1:], 0.0)
+        compiles = {"packed_compiled": True, "packed_flex_compiled": True}  # until a compiler error says otherwise
         real = 0
         for j in picks:
             mb = data[j]["micro_batches"][0]
@@ -134,8 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                with compiled_layers(model, dynamic=True) if way == "grouped_compiled" else contextlib.nullcontext():
-                    got[way] = run_way(model, mb, layer_ids, device, way)
+                with contextlib.ExitStack() as stack:
+                    if way == "packed_flex_compiled":
+                        stack.enter_context(attention_implementation(model, "flex_attention"))
+                    if way == "grouped_compiled":
+                        stack.enter_context(compiled_layers(model, dynamic=True))
+                    if way.startswith("packed_"):  # as the trainer runs it: eagerly after a compiler error
+                        got[way], compiles[way] = run_dynamic(
+                            model, lambda: run_way(model, mb, layer_ids, device, way), compile=compiles[way],
+                            what=f"the {way} forwards")  # fmt: skip
+                    else:
+                        got[way] = run_way(model, mb, layer_ids, device, way)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t[way] = time.perf_counter() - t0
@@ -152,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                "micro_batches": len(picks) - 1, "real_tokens": real,
                "tokens_per_s": {w: round(real / s) if s else None for w, s in seconds.items()},
                "max_rel_diff_vs_one_batch": {w: round(v, 6) for w, v in worst.items()},
+               "compiled": compiles,
                "torch": torch.__version__, "smoke": a.smoke}  # fmt: skip
         print(json.dumps(res), flush=True)
         return res

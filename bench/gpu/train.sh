@@ -32,8 +32,9 @@
 #   bash bench/gpu/train.sh online      the online trainer's verifier forward on SmolLM2-135M's architecture
 #                                       (random weights, synthetic ShareGPT-like rows, 32,768-token micro-batches):
 #                                       rows padded to the longest, the trainer's groups (eager, and through
-#                                       compiled layers), the packed sequences with per-row positions
-#                                       (bench/online_verifier.py)                                about 4 min
+#                                       compiled layers), the packed sequences with per-row positions (eager,
+#                                       compiled as the trainer runs them, and compiled through flex_attention:
+#                                       train --verifier-attention flex) (bench/online_verifier.py)   about 5 min
 # Results: $OUT/results.jsonl (one JSON line a run), errs.txt (stderr tails), status.txt, profile_*.txt.
 source bench/gpu/common.sh
 mode=${1:-}

@@ -45,11 +45,12 @@ def _json_lines(args: list[str], cwd: Path) -> list[dict]:
 
 def test_online_verifier_ways_agree(tmp_path):
     """bench/online_verifier.py: the trainer's grouped rows (eager and through compiled layers) and the packed
-    sequences (transformers' packed-sequence masks from position ids) give each real token the states the rows
-    padded to the longest give (fp32, CPU)."""
+    sequences (transformers' packed-sequence masks from position ids; eager, compiled, and compiled through
+    flex_attention's block mask) give each real token the states the rows padded to the longest give (fp32,
+    CPU)."""
     (r,) = _json_lines([str(BENCH / "online_verifier.py"), "--smoke"], tmp_path)
     assert r["smoke"] and r["micro_batches"] == 3 and r["real_tokens"] > 0, r
-    ways = {"one_batch", "grouped", "packed", "grouped_compiled"}
+    ways = {"one_batch", "grouped", "packed", "grouped_compiled", "packed_compiled", "packed_flex_compiled"}
     assert all(v > 0 for v in r["tokens_per_s"].values()) and set(r["tokens_per_s"]) == ways, r
     assert all(v < 1e-5 for v in r["max_rel_diff_vs_one_batch"].values()), r
 

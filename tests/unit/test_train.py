@@ -149,12 +149,15 @@ def test_online_equals_offline(inputs, tmp_path):
         torch.testing.assert_close(sa[name], sb[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("packing", ["kept apart", "ignored"])
+# transformers builds flex_attention's block mask with create_block_mask(_compile=True), which newer torch deprecates
+@pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask:DeprecationWarning")
+@pytest.mark.parametrize("packing", ["kept apart", "ignored", "flex"])
 def test_online_verifier_packed_rows_or_each_row_alone(inputs, tmp_path, monkeypatch, capsys, packing):
     """Online, the verifier runs on the packed sequences as they are, its masks keeping each row to itself (from
-    ``position_ids``), once its states on the first micro-batch equal each row's alone. A verifier whose
-    attention ignores packing (here: transformers' packed-sequence detection taken away) fails that check, says
-    so, and runs each row alone: either way the losses are the stored features'."""
+    ``position_ids``), once its states on the first micro-batch equal each row's alone; through SDPA's dense mask
+    or (``--verifier-attention flex``) flex_attention's block mask. A verifier whose attention ignores packing
+    (here: transformers' packed-sequence detection taken away) fails that check, says so, and runs each row
+    alone: either way the losses are the stored features'."""
     import transformers.masking_utils as masking
 
     from eyas.training import trainer as trainer_mod
@@ -174,9 +177,10 @@ def test_online_verifier_packed_rows_or_each_row_alone(inputs, tmp_path, monkeyp
     kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], epochs=1, max_steps=4, val_ratio=0.0, **COMMON)
     train(data=inputs["features"], out=str(tmp_path / "offline"), **kw)
     capsys.readouterr()
-    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), **kw)
+    flex = {"verifier_attention": "flex"} if packing == "flex" else {}
+    train(data=inputs["prepared"], online=True, out=str(tmp_path / "online"), **flex, **kw)
     note = "does not keep packed rows apart"
-    assert seen and set(seen) == {packing == "kept apart"}, seen
+    assert seen and set(seen) == {packing != "ignored"}, seen
     assert (note in capsys.readouterr().out) == (packing == "ignored")
     for a, b in zip(_records(tmp_path / "offline"), _records(tmp_path / "online"), strict=True):
         for k in range(3):

@@ -141,6 +141,13 @@ class TrainConfig(StageConfig):
         help="torch.compile the draft layer and the loss, and online the verifier's layers (symbolic shapes; "
         "default: on CUDA).",
     )
+    verifier_attention: Literal["sdpa", "flex"] = option(
+        "sdpa",
+        recorded=False,
+        help="online: the verifier's attention over the packed sequences: sdpa (transformers' block-diagonal "
+        "mask, dense: every query against its sequence's whole length) or flex (transformers' flex_attention: "
+        "the mask as a BlockMask, each query's own row's key blocks only).",
+    )
     gradient_checkpointing: bool = option(
         False,
         recorded=False,
@@ -463,6 +470,11 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
             compile_draft(draft)
         verifier_model = build_text_model(info, dtype=compute_dtype, device=None if c.device_map else where,
                                           device_map=c.device_map) if c.online else None  # fmt: skip
+        if verifier_model is not None and c.verifier_attention == "flex":
+            # Packed rows (the recipe's: about 320 tokens each in sequences of 2,048) under SDPA's dense mask
+            # cost every sequence's whole length of keys a query; a BlockMask skips the blocks of other rows.
+            # The first micro-batch's check against each row alone (Trainer._packing_kept_rows_apart) still runs.
+            verifier_model.set_attn_implementation("flex_attention")
         archs = (
             []
             if info.gguf_file
