@@ -133,6 +133,23 @@ def test_requests_pushed_while_running_are_answered():
     assert sorted(seen) == [(i, t) for i in range(5) for t in range(3)]
 
 
+def test_refills_wait_for_refill_slots_and_answer_the_same(make_tiny):
+    """A refill starts once ``refill_slots`` slots are free (default an eighth of them), or at once when the
+    queue is shorter than the free slots or every slot is free: waiting for more free slots makes fewer, larger
+    prefills, and the answers do not depend on it (each prompt decodes from its own slot alone)."""
+    model = build_text_model(resolve(make_tiny("llama").path))
+    reqs = [Request(key=i, tokens=p, max_new_tokens=3 + i % 7) for i, p in enumerate(_prompts(40, seed=5, longest=30))]
+    kw = dict(eos_ids=set(), max_len=48, batch_tokens=48 * 16, sync_every=2, cuda_graphs=False)
+    assert BatchDecoder(model, **kw).refill_slots == 2  # 16 slots
+    answers, prefills = {}, {}
+    for n in (1, 8):
+        dec = BatchDecoder(model, refill_slots=n, **kw)
+        answers[n] = {c.key: c.tokens for c in dec.run(RequestQueue(reqs))}
+        prefills[n] = dec.report()["prefills"]
+    assert answers[1] == answers[8] and len(answers[1]) == 40
+    assert prefills[8] < prefills[1], prefills
+
+
 def test_key_buckets():
     assert key_bucket(1, 4096) == 64 and key_bucket(65, 4096) == 128 and key_bucket(1000, 4096) == 1024
     assert key_bucket(5000, 4096) == 4096 and key_bucket(40000, 65536) == 49152
