@@ -55,7 +55,7 @@ from extract_throughput import random_smollm2, synthetic_rows, tiny_verifier  # 
 
 from eyas.training.batches import PreparedRows, Row, StepData, plan_epoch  # noqa: E402
 from eyas.verifier.info import default_aux_layer_ids  # noqa: E402
-from eyas.verifier.compile import compiled_layers, run_dynamic  # noqa: E402
+from eyas.verifier.compile import run_dynamic  # noqa: E402
 from eyas.verifier.load import build_text_model, forward_hidden_states, resolve  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = dict.fromkeys(("one_batch", "grouped", "packed", "grouped_compiled", "packed_compiled",
                                  "packed_flex_compiled"), 0.0)  # fmt: skip
         worst = dict.fromkeys(list(seconds)[1:], 0.0)
-        compiles = {"packed_compiled": True, "packed_flex_compiled": True}  # until a compiler error says otherwise
+        compiles = {w: True for w in seconds if w.endswith("_compiled")}  # until a compiler error says otherwise
         real = 0
         for j in picks:
             mb = data[j]["micro_batches"][0]
@@ -152,12 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                with contextlib.ExitStack() as stack:
-                    if way == "packed_flex_compiled":
-                        stack.enter_context(attention_implementation(model, "flex_attention"))
-                    if way == "grouped_compiled":
-                        stack.enter_context(compiled_layers(model, dynamic=True))
-                    if way.startswith("packed_"):  # as the trainer runs it: eagerly after a compiler error
+                flex = way == "packed_flex_compiled"
+                with attention_implementation(model, "flex_attention") if flex else contextlib.nullcontext():
+                    if way in compiles:  # as the trainer runs it: eagerly after a compiler error
                         got[way], compiles[way] = run_dynamic(
                             model, lambda: run_way(model, mb, layer_ids, device, way), compile=compiles[way],
                             what=f"the {way} forwards")  # fmt: skip

@@ -66,8 +66,11 @@ def _inference_logits(model: Eagle3Draft, ids, aux, t: int, k: int, offset: int 
     return out
 
 
+@pytest.mark.parametrize("cache_attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_ttt_equals_inference(variant):
+def test_ttt_equals_inference(variant, cache_attention):
+    """TTT (through SDPA) equals drafting step by step through the cache, whose attention is SDPA or "matmul"
+    (grouped query heads folded into the query rows, two matmuls around a masked softmax)."""
     torch.manual_seed(1)
     T, steps = 20, 4
     model = _draft(**VARIANTS[variant])
@@ -75,27 +78,9 @@ def test_ttt_equals_inference(variant):
     aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
     with torch.no_grad():
         ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, ttt_steps=steps)]
+        model.attn_implementation = cache_attention  # read by the inference cache only (new_cache)
+        assert model.new_cache(batch_size=1, max_len=8).impl == cache_attention
         for t in (0, 3, 9, T - 2 - steps):
-            inf = _inference_logits(model, ids, aux, t, steps - 1)
-            for k in range(steps):
-                torch.testing.assert_close(ttt[k][0, t], inf[k][0], rtol=1e-9, atol=1e-9, msg=f"step {k} t {t}")
-
-
-@pytest.mark.parametrize("variant", ["eagle3", "all"])
-def test_matmul_attention_in_the_cache_equals_ttt(variant):
-    """Decoding through the cache's "matmul" attention (grouped query heads folded into the query rows, two
-    matmuls around a masked fp32 softmax) drafts what TTT computes through SDPA: one query at a time and a
-    catch-up of several, over a cache holding rejected positions past the queries."""
-    torch.manual_seed(2)
-    T, steps = 20, 3
-    model = _draft(seed=2, **VARIANTS[variant])
-    ids = torch.randint(0, V, (1, T))
-    aux = torch.randn(1, T, 3 * H, dtype=torch.float64)
-    with torch.no_grad():
-        ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, ttt_steps=steps)]
-        model.attn_implementation = "matmul"
-        assert model.new_cache(batch_size=1, max_len=8).impl == "matmul"
-        for t in (0, 5, T - 2 - steps):
             inf = _inference_logits(model, ids, aux, t, steps - 1)
             for k in range(steps):
                 torch.testing.assert_close(ttt[k][0, t], inf[k][0], rtol=1e-9, atol=1e-9, msg=f"step {k} t {t}")

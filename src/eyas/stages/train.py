@@ -468,13 +468,13 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         compiled = c.compile if c.compile is not None else cuda
         if compiled:
             compile_draft(draft)
-        verifier_model = build_text_model(info, dtype=compute_dtype, device=None if c.device_map else where,
-                                          device_map=c.device_map) if c.online else None  # fmt: skip
-        if verifier_model is not None and c.verifier_attention == "flex":
-            # Packed rows (the recipe's: about 320 tokens each in sequences of 2,048) under SDPA's dense mask
-            # cost every sequence's whole length of keys a query; a BlockMask skips the blocks of other rows.
-            # The first micro-batch's check against each row alone (Trainer._packing_kept_rows_apart) still runs.
-            verifier_model.set_attn_implementation("flex_attention")
+        # --verifier-attention flex: packed rows (the recipe's: about 320 tokens each in sequences of 2,048) under
+        # SDPA's dense mask cost every sequence's whole length of keys a query; a BlockMask skips the blocks of other
+        # rows. The first micro-batch's check against each row alone (Trainer._packing_kept_rows_apart) still runs.
+        verifier_model = build_text_model(
+            info, dtype=compute_dtype, device=None if c.device_map else where, device_map=c.device_map,
+            attn_implementation="flex_attention" if c.verifier_attention == "flex" else None,
+        ) if c.online else None  # fmt: skip
         archs = (
             []
             if info.gguf_file
