@@ -13,7 +13,7 @@ is skipped, so a call cut by a time limit continues where it stopped when run ag
    vocab's ``d2t.npy`` / ``t2d.npy`` and a head-only copy of the verifier (its embedding, head and final norm:
    all speculators' trainer reads of a verifier), for ``--epochs`` passes of ``--seq-len`` tokens a step;
 5. ``eyas train`` offline on the same features, the same passes and held-out share, at ``--eyas-lr`` and
-   ``--eyas-batch-tokens`` (the recipe's settings: configs/smollm2-gpu.toml);
+   ``--eyas-batch-tokens`` with EAGLE-3.1's norms (the recipe's settings: configs/smollm2-gpu.toml);
 6. ``eyas eval`` of each draft.
 
 One JSON line: tau, acceptance per position and speedup of each draft, eyas' tau over speculators', the data
@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> dict:
                                    draft_vocab_size=draft_vocab, log=log)}  # fmt: skip
     train = ["--data", str(out / "features"), "--vocab", str(out / "vocab"), "--out", str(out / "eyas"),
              "--epochs", str(a.epochs), "--lr", str(a.eyas_lr), "--batch-tokens", str(a.eyas_batch_tokens),
-             "--max-seq-len", str(a.max_seq_len), "--ttt-steps", str(a.ttt_steps)]  # fmt: skip
+             "--max-seq-len", str(a.max_seq_len), "--ttt-steps", str(a.ttt_steps),
+             # the recipe's draft layout (configs/smollm2-gpu.toml: EAGLE-3.1's norms), as speculators runs its own
+             # defaults' (norm_before_residual, norm_before_fc, norm_output)
+             "--fc-norm", "--norm-output"]  # fmt: skip
     if a.max_steps:
         train += ["--max-steps", str(a.max_steps)]
     train += ["--val-ratio", str(a.val_ratio)]
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         "training": {"epochs": a.epochs, "max_steps": a.max_steps, "speculators_dry_run": a.speculators_dry_run,
                      "seq_len": a.seq_len, "ttt_steps": a.ttt_steps, "eyas_lr": a.eyas_lr,
                      "eyas_batch_tokens": a.eyas_batch_tokens, "val_ratio": a.val_ratio,
+                     "eyas": "the recipe's settings (EAGLE-3.1's fc_norm and norm_output), offline on the features",
                      "speculators": "its defaults (Muon, its norm flags), the eager loss, full attention (the same "
                                     "as its 2048-key window on rows of at most 2048 tokens)"},
         "eval": {name: {key: r.get(key) for key in ("tau", "acceptance_per_position", "speedup", "num_prompts",
