@@ -64,14 +64,15 @@ def _run(cmd: list[str], *, log: Path, env: dict[str, str]) -> None:
 
 
 def head_only_verifier(verifier: str, out: Path) -> Path:
-    """The verifier as speculators' trainer reads it: a Llama-style ``config.json`` (its text config) and a
-    ``model.safetensors`` with the embedding, the output head and the final norm only (a tied head written out),
-    in bf16. Read through eyas' own loader, so any checkpoint eyas runs (a GGUF included) can be compared."""
+    """The verifier as speculators' trainer reads it: a Llama-style ``config.json`` (its text config), its
+    tokenizer (speculators takes the mask token from it) and a ``model.safetensors`` with the embedding, the
+    output head and the final norm only (a tied head written out), in bf16. Read through eyas' own loader, so any
+    checkpoint eyas runs (a GGUF included) can be compared."""
     import torch
     from safetensors.torch import save_file
 
     from eyas.verifier.info import resolve, transformers_text_config
-    from eyas.verifier.load import load_head_tensors
+    from eyas.verifier.load import load_head_tensors, load_tokenizer
 
     if (out / "model.safetensors").is_file():
         return out
@@ -83,6 +84,7 @@ def head_only_verifier(verifier: str, out: Path) -> Path:
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    load_tokenizer(info).save_pretrained(str(tmp))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({"model.embed_tokens.weight": head.embed, "lm_head.weight": head.lm_head, "model.norm.weight": head.norm},
               str(tmp / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
@@ -113,7 +115,7 @@ def speculators_train(a, out: Path, *, data: Path, vocab: Path, verifier: Path, 
     if a.max_steps:
         argv += ["--max-steps", str(a.max_steps)]
     if a.speculators_dry_run:  # it trains on CUDA only
-        argv += ["--dry-run", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--mask-token-id", "0"]
+        argv += ["--dry-run", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
     path = os.pathsep.join(x for x in (str(a.speculators_path), os.environ.get("PYTHONPATH")) if x)
     _run([sys.executable, "-c", SPECULATORS_MAIN, *argv], log=log, env={"PYTHONPATH": path})
     if not (final / "config.json").is_file():
