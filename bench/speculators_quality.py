@@ -123,6 +123,19 @@ def speculators_train(a, out: Path, *, data: Path, vocab: Path, verifier: Path, 
     return final
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME:FLAG=VALUE,FLAG,...`` -> ``(NAME, ["--FLAG", "VALUE", "--FLAG", ...])`` (no spaces: it passes
+    through the suite's H2H_ARGS unquoted)."""
+    name, sep, spec = text.partition(":")
+    if not sep or not name or not spec or "/" in name:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME:FLAG=VALUE,... (e.g. eyas-8k:batch-tokens=8192)")
+    flags: list[str] = []
+    for item in spec.split(","):
+        flag, eq, value = item.partition("=")
+        flags += [f"--{flag.lstrip('-')}", *([value] if eq else [])]
+    return name, flags
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default="smollm2")
@@ -151,6 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
         type=float,
         default=0.02,
         help="rows held out from training, both trainers (eyas' default; speculators' is 0.1)",
+    )
+    p.add_argument(
+        "--eyas-variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="NAME:FLAG=VALUE,...",
+        help="one more eyas draft trained on the same features with these `eyas train` flags changed (e.g. "
+        "'eyas-8k:batch-tokens=8192' trains as many steps as speculators; a flag without '=' is a switch), "
+        "measured without the plain baseline (the first draft's eval measured it on the same prompts); repeatable",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny verifier and data, the dry run, 4 steps")
     from eyas.core.manifest import read_manifest
@@ -185,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafts = {"speculators": stage("train speculators", speculators_train, a, out / "speculators",
                                    data=out / "speculators-data", vocab=out / "vocab", verifier=head,
                                    draft_vocab_size=draft_vocab, log=log)}  # fmt: skip
-    train = ["--data", str(out / "features"), "--vocab", str(out / "vocab"), "--out", str(out / "eyas"),
+    train = ["--data", str(out / "features"), "--vocab", str(out / "vocab"),
              "--epochs", str(a.epochs), "--lr", str(a.eyas_lr), "--batch-tokens", str(a.eyas_batch_tokens),
              "--max-seq-len", str(a.max_seq_len), "--ttt-steps", str(a.ttt_steps),
              # the recipe's draft layout (configs/smollm2-gpu.toml: EAGLE-3.1's norms), as speculators runs its own
@@ -194,17 +217,23 @@ def main(argv: list[str] | None = None) -> dict:
     if a.max_steps:
         train += ["--max-steps", str(a.max_steps)]
     train += ["--val-ratio", str(a.val_ratio)]
-    stage("train eyas", eyas, "train", *common, *train, log=log)
-    drafts["eyas"] = out / "eyas"
+    variants = [("eyas", [])] + a.eyas_variant
+    if len({name for name, _ in variants} | {"speculators"}) != len(variants) + 1:
+        p.error("--eyas-variant names must differ from each other and from 'eyas' and 'speculators'")
+    for name, flags in variants:  # a later flag overrides an earlier one (argparse)
+        stage(f"train {name}", eyas, "train", *common, *train, *flags, "--out", str(out / name), log=log)
+        drafts[name] = out / name
     reports = {}
     for name, draft in drafts.items():
         report = out / f"eval-{name}.json"
+        # the plain baseline once per prompt set: speculators' eval and the recipe's eyas draft measure it
+        baseline = [] if name in ("speculators", "eyas") else ["--no-baseline"]
         # eval writes its report last, whole: one of this draft is this stage done
         if not report.is_file() or json.loads(report.read_text()).get("draft") != str(draft):
             stage(f"eval {name}", eyas, "eval", *common, "--draft", str(draft), "--prompts", str(a.prompts),
                   "--out", str(report), "--max-new-tokens", str(a.max_new_tokens), "--draft-tokens",
                   str(a.draft_tokens), *(["--num-prompts", str(a.num_prompts)] if a.num_prompts else []),
-                  log=log)  # fmt: skip
+                  *baseline, log=log)  # fmt: skip
         reports[name] = json.loads(report.read_text())
     prepared, features = read_manifest(out / "prepared", stage="prepare"), read_manifest(out / "features")
     result = {
@@ -224,8 +253,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                        "baseline_tokens_per_s")} for name, r in reports.items()},
         "seconds": seconds,
     }  # fmt: skip
+    result["training"]["eyas_variants"] = {name: " ".join(flags) for name, flags in a.eyas_variant}
     taus = {name: result["eval"][name]["tau"] for name in reports}
+    # the recipe's draft against speculators' (the issue's criterion), and each variant's
     result["eyas_over_speculators"] = round(taus["eyas"] / taus["speculators"], 3) if taus["speculators"] else None
+    result["over_speculators"] = {name: round(taus[name] / taus["speculators"], 3) if taus["speculators"] else None
+                                  for name, _ in variants}  # fmt: skip
     (out / "headtohead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return result

@@ -17,8 +17,10 @@
 #                                     later on this warm machine, or seeded with SEED_RUN/SEED_DATA): eyas' trainer
 #                                     against speculators 0.9.0's on a seeded sample of H2H_SAMPLES (default 5000) of
 #                                     those conversations, both drafts measured by eyas eval on MT-Bench
-#                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags) for at most $BUDGET
-#                                     seconds; call again to resume. $OUT/headtohead.json once done.
+#                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags, such as
+#                                     `--eyas-variant eyas-8k:batch-tokens=8192` for one more eyas draft trained with
+#                                     those flags changed) for at most $BUDGET seconds; call again to resume.
+#                                     $OUT/headtohead.json once done.
 #   bash bench/gpu/quality.sh predict once $R holds a trained draft (a finished run on this warm machine): whether
 #                                     the tau the draft's TTT accuracy predicts equals the tau decoding measures:
 #                                     the verifier answers MT-Bench itself (both turns, the second after a first
@@ -75,6 +77,9 @@ if [ "$1" = headtohead ]; then
   echo "[headtohead] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/status.txt"
   tr "\r" "\n" < "$R/headtohead.err" | grep -v "it/s\]$" | tail -n 12 >> "$OUT/status.txt"
   tail -c 200000 "$R/headtohead/headtohead.log" > "$OUT/headtohead.log" 2>/dev/null
+  # every eval finished so far, and each eyas draft's training summary: a call cut later keeps what was measured
+  cp "$R"/headtohead/eval-*.json "$OUT/" 2>/dev/null
+  for m in "$R"/headtohead/*/metrics.jsonl; do [ -e "$m" ] && tail -n 3 "$m" > "$OUT/$(basename "$(dirname "$m")")-metrics.jsonl"; done
   case $rc in
     0) cp "$R/headtohead/headtohead.json" "$OUT/" && echo "head to head done: $OUT/headtohead.json" | tee -a "$OUT/status.txt" ;;
     124|130|137) echo "cut by the budget: call again to resume" | tee -a "$OUT/status.txt"; exit 0 ;;

@@ -234,7 +234,8 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     data, sets = _quality_data(tmp_path)
     verifier = make_tiny("llama").path
     h2h = {"H2H_ARGS": f"--speculators-path {speculators_dir} --speculators-dry-run --max-steps 2 --val-ratio 0.3 "
-                       "--epochs 1 --seq-len 256 --max-seq-len 256 --max-new-tokens 4 --num-prompts 1"}  # fmt: skip
+                       "--epochs 1 --seq-len 256 --max-seq-len 256 --max-new-tokens 4 --num-prompts 1 "
+                       "--eyas-variant eyas-b:lr=0.001"}  # fmt: skip
     early = _quality_sh(tmp_path, verifier, data, tmp_path / "out0", 900, sets, sub="headtohead", **h2h)
     assert early.returncode == 1 and "no finished regenerate" in early.stdout, early.stdout + early.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 900, sets, until="regenerate")
@@ -244,6 +245,9 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     got = json.loads((tmp_path / "out2" / "headtohead.json").read_text())
     assert got["data"]["rows"] == 6 and got["training"]["speculators_dry_run"] is True  # 4 ShareGPT + 2 its own
     assert {r["num_prompts"] for r in got["eval"].values()} == {1} and got["eyas_over_speculators"] > 0
+    # each finished eval and each eyas draft's last metrics come back beside it
+    assert {p.name for p in (tmp_path / "out2").glob("eval-*.json")} == {f"eval-{n}.json" for n in got["eval"]}
+    assert (tmp_path / "out2" / "eyas-b-metrics.jsonl").read_text().strip()
 
 
 def test_eval_speedup_smoke(tmp_path):
@@ -321,15 +325,23 @@ def test_int4_memory_smoke(tmp_path):
 
 def test_speculators_head_to_head_smoke(tmp_path, speculators_dir):
     """bench/speculators_quality.py end to end on CPU: the same conversations prepared, vocab, features in both
-    layouts, speculators' own trainer (its dry run: it trains on CUDA only) and eyas' on them, both drafts loaded
-    and measured by eyas eval; run again, every stage finds its output done."""
+    layouts, speculators' own trainer (its dry run: it trains on CUDA only) and eyas' on them (the recipe's
+    settings and a variant), every draft loaded and measured by eyas eval; run again, every stage finds its
+    output done."""
     args = [str(BENCH / "speculators_quality.py"), "--smoke", "--out", str(tmp_path / "h2h"),
-            "--speculators-path", str(speculators_dir)]  # fmt: skip
+            "--speculators-path", str(speculators_dir), "--eyas-variant", "eyas-lr:lr=0.001,no-norm-output"]  # fmt: skip
     (result,) = _json_lines(args, tmp_path)
     assert result["data"]["rows"] == 24 and result["data"]["feature_tokens"] == result["data"]["tokens"] > 0
     for name in ("eyas", "speculators"):
         r = result["eval"][name]
         assert r["num_turns"] == 2 and r["tau"] >= 1.0 and r["lossless"], (name, r)
+    variant = result["eval"]["eyas-lr"]  # measured without the plain baseline
+    assert variant["num_turns"] == 2 and variant["tau"] >= 1.0 and variant["speedup"] is None, variant
+    assert result["training"]["eyas_variants"] == {"eyas-lr": "--lr 0.001 --no-norm-output"}
+    assert set(result["over_speculators"]) == {"eyas", "eyas-lr"}
+    saved = json.loads((tmp_path / "h2h" / "eyas-lr" / "config.json").read_text())
+    assert saved["norm_output"] is False and json.loads((tmp_path / "h2h" / "eyas" / "config.json").read_text())[
+        "norm_output"] is True  # fmt: skip
     written = json.loads((tmp_path / "h2h" / "speculators" / "draft" / "config.json").read_text())
     assert written["speculators_model_type"] == "eagle3" and "speculators_version" in written  # speculators' own save
     assert set(result["seconds"]) >= {"train speculators", "train eyas", "eval eyas", "eval speculators"}
