@@ -40,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from eyas.training.trainer import BEST, BEST_FILE  # noqa: E402 (the path above)
+
 #: speculators' trainer, run as its CLI does (``speculators.train.cli.main`` over its resolved config)
 SPECULATORS_MAIN = (
     "import sys; from speculators.train.cli import main; from speculators.train.config import TrainConfig; "
@@ -175,6 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
         "'eyas-8k:batch-tokens=8192' trains as many steps as speculators; a flag without '=' is a switch), "
         "measured without the plain baseline (the first draft's eval measured it on the same prompts); repeatable",
     )
+    p.add_argument(
+        "--eval-variants",
+        choices=("all", "best"),
+        default="all",
+        help="measure every --eyas-variant draft, or only the one with the highest validation tau (the draft its "
+        "`eyas train` kept best) when it beats the recipe's: levers ranked by validation, the winner by eval",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny verifier and data, the dry run, 4 steps")
     from eyas.core.manifest import read_manifest
 
@@ -223,6 +232,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name, flags in variants:  # a later flag overrides an earlier one (argparse)
         stage(f"train {name}", eyas, "train", *common, *train, *flags, "--out", str(out / name), log=log)
         drafts[name] = out / name
+    # each draft's best validation tau (none without held-out rows)
+    val_tau = {name: json.loads(f.read_text())["tau"] if (f := out / name / BEST / BEST_FILE).is_file() else None
+               for name, _ in variants}  # fmt: skip
+    if a.eval_variants == "best" and a.eyas_variant:
+        ranked = {name: val_tau[name] or 0.0 for name, _ in variants}
+        top = max((name for name, _ in a.eyas_variant), key=ranked.__getitem__)
+        keep = {"speculators", "eyas"} | ({top} if ranked[top] > ranked["eyas"] else set())
+        drafts = {name: draft for name, draft in drafts.items() if name in keep}
     reports = {}
     for name, draft in drafts.items():
         report = out / f"eval-{name}.json"
@@ -254,11 +271,12 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": seconds,
     }  # fmt: skip
     result["training"]["eyas_variants"] = {name: " ".join(flags) for name, flags in a.eyas_variant}
+    result["training"]["eyas_validation_tau"] = val_tau  # pooled over the held-out rows, each draft's best
     taus = {name: result["eval"][name]["tau"] for name in reports}
     # the recipe's draft against speculators' (the issue's criterion), and each variant's
     result["eyas_over_speculators"] = round(taus["eyas"] / taus["speculators"], 3) if taus["speculators"] else None
     result["over_speculators"] = {name: round(taus[name] / taus["speculators"], 3) if taus["speculators"] else None
-                                  for name, _ in variants}  # fmt: skip
+                                  for name, _ in variants if name in taus}  # fmt: skip
     (out / "headtohead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return result

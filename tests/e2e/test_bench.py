@@ -235,7 +235,7 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     verifier = make_tiny("llama").path
     h2h = {"H2H_ARGS": f"--speculators-path {speculators_dir} --speculators-dry-run --max-steps 2 --val-ratio 0.3 "
                        "--epochs 1 --seq-len 256 --max-seq-len 256 --max-new-tokens 4 --num-prompts 1 "
-                       "--eyas-variant eyas-b:lr=0.001"}  # fmt: skip
+                       "--eyas-variant eyas-b:lr=0.001 --eyas-variant eyas-c:lr=0.0001 --eval-variants best"}  # fmt: skip
     early = _quality_sh(tmp_path, verifier, data, tmp_path / "out0", 900, sets, sub="headtohead", **h2h)
     assert early.returncode == 1 and "no finished regenerate" in early.stdout, early.stdout + early.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 900, sets, until="regenerate")
@@ -248,6 +248,10 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     # each finished eval and each eyas draft's last metrics come back beside it
     assert {p.name for p in (tmp_path / "out2").glob("eval-*.json")} == {f"eval-{n}.json" for n in got["eval"]}
     assert (tmp_path / "out2" / "eyas-b-metrics.jsonl").read_text().strip()
+    # --eval-variants best: of the variants only the one with the highest validation tau, where it beats eyas'
+    val = got["training"]["eyas_validation_tau"]
+    top = max(("eyas-b", "eyas-c"), key=val.__getitem__)
+    assert set(got["eval"]) == {"speculators", "eyas"} | ({top} if val[top] > val["eyas"] else set()), (val, got)
 
 
 def test_eval_speedup_smoke(tmp_path):
@@ -339,6 +343,7 @@ def test_speculators_head_to_head_smoke(tmp_path, speculators_dir):
     assert variant["num_turns"] == 2 and variant["tau"] >= 1.0 and variant["speedup"] is None, variant
     assert result["training"]["eyas_variants"] == {"eyas-lr": "--lr 0.001 --no-norm-output"}
     assert set(result["over_speculators"]) == {"eyas", "eyas-lr"}
+    assert all(t > 1.0 for t in result["training"]["eyas_validation_tau"].values())
     saved = json.loads((tmp_path / "h2h" / "eyas-lr" / "config.json").read_text())
     assert saved["norm_output"] is False and json.loads((tmp_path / "h2h" / "eyas" / "config.json").read_text())[
         "norm_output"] is True  # fmt: skip
