@@ -29,6 +29,7 @@ imported by that process.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -49,10 +50,14 @@ SPECULATORS_MAIN = (
 )
 
 
-def eyas(stage: str, *args: str, log: Path) -> None:
-    """``eyas STAGE ARGS`` in its own process, its output appended to ``log``."""
+def eyas(stage: str, *args: str, log: Path, weights: Path | None = None) -> None:
+    """``eyas STAGE ARGS`` in its own process, its output appended to ``log``; a GGUF verifier's dequantized
+    weights and tokenizer kept in ``weights`` for the next command (``EYAS_GGUF_WEIGHTS``)."""
     cmd = [sys.executable, "-m", "eyas.cli", stage, *args]
-    _run(cmd, log=log, env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if weights is not None:
+        env["EYAS_GGUF_WEIGHTS"] = str(weights)
+    _run(cmd, log=log, env=env)
 
 
 def _run(cmd: list[str], *, log: Path, env: dict[str, str]) -> None:
@@ -205,12 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
     if a.smoke:
         a = smoke_inputs(a, out)
     conversations = a.conversations.resolve()
+    # a GGUF verifier dequantized and its tokenizer built once for every command here, as `eyas run` does
+    run_eyas = functools.partial(eyas, weights=out / ".verifier-weights")
     common = ["--verifier", str(a.verifier)]
-    stage("prepare", eyas, "prepare", *common, "--data", str(conversations), "--out", str(out / "prepared"),
+    stage("prepare", run_eyas, "prepare", *common, "--data", str(conversations), "--out", str(out / "prepared"),
           "--max-seq-len", str(a.max_seq_len), *(["--max-samples", str(a.max_samples)] if a.max_samples else []),
           log=log)  # fmt: skip
-    stage("vocab", eyas, "vocab", "--data", str(out / "prepared"), "--out", str(out / "vocab"), log=log)
-    stage("extract", eyas, "extract", *common, "--data", str(out / "prepared"), "--out", str(out / "features"),
+    stage("vocab", run_eyas, "vocab", "--data", str(out / "prepared"), "--out", str(out / "vocab"), log=log)
+    stage("extract", run_eyas, "extract", *common, "--data", str(out / "prepared"), "--out", str(out / "features"),
           "--speculators-out", str(out / "speculators-data"), log=log)  # fmt: skip
     draft_vocab = int(read_manifest(out / "vocab", stage="vocab")["draft_vocab_size"])
     head = stage("head", head_only_verifier, str(a.verifier), out / "verifier-head")
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len({name for name, _ in variants} | {"speculators"}) != len(variants) + 1:
         p.error("--eyas-variant names must differ from each other and from 'eyas' and 'speculators'")
     for name, flags in variants:  # a later flag overrides an earlier one (argparse)
-        stage(f"train {name}", eyas, "train", *common, *train, *flags, "--out", str(out / name), log=log)
+        stage(f"train {name}", run_eyas, "train", *common, *train, *flags, "--out", str(out / name), log=log)
         drafts[name] = out / name
     # each draft's best validation tau (none without held-out rows)
     val_tau = {name: json.loads(f.read_text())["tau"] if (f := out / name / BEST / BEST_FILE).is_file() else None
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         baseline = [] if name in ("speculators", "eyas") else ["--no-baseline"]
         # eval writes its report last, whole: one of this draft is this stage done
         if not report.is_file() or json.loads(report.read_text()).get("draft") != str(draft):
-            stage(f"eval {name}", eyas, "eval", *common, "--draft", str(draft), "--prompts", str(a.prompts),
+            stage(f"eval {name}", run_eyas, "eval", *common, "--draft", str(draft), "--prompts", str(a.prompts),
                   "--out", str(report), "--max-new-tokens", str(a.max_new_tokens), "--draft-tokens",
                   str(a.draft_tokens), *(["--num-prompts", str(a.num_prompts)] if a.num_prompts else []),
                   *baseline, log=log)  # fmt: skip

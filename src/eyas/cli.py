@@ -9,6 +9,7 @@ runs, so ``eyas --help`` is instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import gc
@@ -154,6 +155,21 @@ def _quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*`torch_dtype` is deprecated.*")
 
 
+#: A folder where any command keeps a GGUF verifier's dequantized weights and tokenizer for the next command
+#: (`eyas run` keeps them in its run folder by itself): a string of separate commands on one GGUF, as
+#: bench/speculators_quality.py runs, then dequantizes and parses it once instead of in every command.
+GGUF_WEIGHTS_ENV = "EYAS_GGUF_WEIGHTS"
+
+
+def _gguf_weights_from_env():
+    folder = os.environ.get(GGUF_WEIGHTS_ENV)
+    if not folder:
+        return contextlib.nullcontext()
+    from eyas.verifier.load import gguf_weights_cache  # (transformers: imported only when asked for)
+
+    return gguf_weights_cache(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"eyas {command}: give {missing[0].upper()} (or --{missing[0].replace('_', '-')})")
     try:
         checked = check_arguments(config, args)  # ranges and places, before the stage starts
-        with terminate_as_interrupt():  # a time limit's stop ends every stage as Ctrl-C does
+        with terminate_as_interrupt(), _gguf_weights_from_env():  # a time limit's stop ends a stage as Ctrl-C does
             _load(COMMANDS[command][1])(checked)
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)

@@ -341,3 +341,24 @@ def test_gguf_tokenizer_is_kept_beside_the_weights(smollm2_path, tmp_path, monke
     monkeypatch.undo()
     load_tokenizer(str(smollm2_path))  # outside the block: from the GGUF, nothing kept
     assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_any_command_keeps_gguf_weights_where_the_environment_says(smollm2_path, tmp_path, monkeypatch):
+    """With EYAS_GGUF_WEIGHTS set, a command outside `eyas run` (here `eyas prepare`, which loads the tokenizer)
+    keeps what it built from the GGUF in that folder, for the next command; without it, nothing is kept."""
+    import json as _json
+
+    from eyas.cli import GGUF_WEIGHTS_ENV, main
+    from eyas.verifier import load
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(_json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")  # fmt: skip
+    load._TOKENIZERS.clear()
+    monkeypatch.setenv(GGUF_WEIGHTS_ENV, str(tmp_path / "kept"))
+    assert main(["prepare", "--verifier", str(smollm2_path), "--data", str(data), "--out", str(tmp_path / "p")]) == 0
+    assert [p.name.split("-")[0] for p in (tmp_path / "kept").iterdir()] == ["tokenizer"]
+    assert load._GGUF_CACHE is None  # only for the command's own run
+    load._TOKENIZERS.clear()
+    monkeypatch.delenv(GGUF_WEIGHTS_ENV)
+    assert main(["prepare", "--verifier", str(smollm2_path), "--data", str(data), "--out", str(tmp_path / "q")]) == 0
+    assert len(list((tmp_path / "kept").iterdir())) == 1
