@@ -180,14 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="NAME:FLAG=VALUE,...",
         help="one more eyas draft trained on the same features with these `eyas train` flags changed (e.g. "
         "'eyas-8k:batch-tokens=8192' trains as many steps as speculators; a flag without '=' is a switch), "
-        "measured without the plain baseline (the first draft's eval measured it on the same prompts); repeatable",
+        "measured without a second plain baseline (the first eyas draft's eval measures it); repeatable",
     )
     p.add_argument(
         "--eval-variants",
-        choices=("all", "best"),
+        choices=("all", "best", "top"),
         default="all",
-        help="measure every --eyas-variant draft, or only the one with the highest validation tau (the draft its "
-        "`eyas train` kept best) when it beats the recipe's: levers ranked by validation, the winner by eval",
+        help="which eyas drafts eval measures: every one; the recipe's and the --eyas-variant draft with the "
+        "highest validation tau (the draft its `eyas train` kept best) where that beats the recipe's; or only the "
+        "eyas draft with the highest validation tau (levers ranked by validation, the winner by eval)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny verifier and data, the dry run, 4 steps")
     from eyas.core.manifest import read_manifest
@@ -242,16 +243,19 @@ def main(argv: list[str] | None = None) -> dict:
     # each draft's best validation tau (none without held-out rows)
     val_tau = {name: json.loads(f.read_text())["tau"] if (f := out / name / BEST / BEST_FILE).is_file() else None
                for name, _ in variants}  # fmt: skip
-    if a.eval_variants == "best" and a.eyas_variant:
-        ranked = {name: val_tau[name] or 0.0 for name, _ in variants}
+    ranked = {name: val_tau[name] or 0.0 for name, _ in variants}
+    if a.eval_variants != "all" and a.eyas_variant:
         top = max((name for name, _ in a.eyas_variant), key=ranked.__getitem__)
-        keep = {"speculators", "eyas"} | ({top} if ranked[top] > ranked["eyas"] else set())
-        drafts = {name: draft for name, draft in drafts.items() if name in keep}
+        keep = {top} if ranked[top] > ranked["eyas"] else {"eyas"}
+        if a.eval_variants == "best":
+            keep.add("eyas")
+        drafts = {name: draft for name, draft in drafts.items() if name in keep | {"speculators"}}
+    # the plain baseline once per prompt set beside speculators': with the first eyas draft measured
+    with_baseline = {"speculators", next(name for name in drafts if name != "speculators")}
     reports = {}
     for name, draft in drafts.items():
         report = out / f"eval-{name}.json"
-        # the plain baseline once per prompt set: speculators' eval and the recipe's eyas draft measure it
-        baseline = [] if name in ("speculators", "eyas") else ["--no-baseline"]
+        baseline = [] if name in with_baseline else ["--no-baseline"]
         # eval writes its report last, whole: one of this draft is this stage done
         if not report.is_file() or json.loads(report.read_text()).get("draft") != str(draft):
             stage(f"eval {name}", run_eyas, "eval", *common, "--draft", str(draft), "--prompts", str(a.prompts),
@@ -280,10 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["training"]["eyas_variants"] = {name: " ".join(flags) for name, flags in a.eyas_variant}
     result["training"]["eyas_validation_tau"] = val_tau  # pooled over the held-out rows, each draft's best
     taus = {name: result["eval"][name]["tau"] for name in reports}
-    # the recipe's draft against speculators' (the issue's criterion), and each variant's
-    result["eyas_over_speculators"] = round(taus["eyas"] / taus["speculators"], 3) if taus["speculators"] else None
+    # each eyas draft measured against speculators'
     result["over_speculators"] = {name: round(taus[name] / taus["speculators"], 3) if taus["speculators"] else None
                                   for name, _ in variants if name in taus}  # fmt: skip
+    # the issue's criterion: the best eyas draft measured (the recipe's, or the variant that becomes it)
+    result["eyas_draft"] = max(result["over_speculators"], key=lambda n: result["over_speculators"][n] or 0.0)
+    result["eyas_over_speculators"] = result["over_speculators"][result["eyas_draft"]]
     (out / "headtohead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return result

@@ -19,7 +19,7 @@
 #                                     those conversations, both drafts measured by eyas eval on MT-Bench
 #                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags, such as
 #                                     `--eyas-variant eyas-8k:batch-tokens=8192` for one more eyas draft trained with
-#                                     those flags changed, and `--eval-variants best` to measure only the variant
+#                                     those flags changed, and `--eval-variants top` to measure only the eyas draft
 #                                     with the highest validation tau) for at most $BUDGET seconds; call again to resume.
 #                                     $OUT/headtohead.json once done.
 #   bash bench/gpu/quality.sh predict once $R holds a trained draft (a finished run on this warm machine): whether

@@ -235,7 +235,7 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     verifier = make_tiny("llama").path
     h2h = {"H2H_ARGS": f"--speculators-path {speculators_dir} --speculators-dry-run --max-steps 2 --val-ratio 0.3 "
                        "--epochs 1 --seq-len 256 --max-seq-len 256 --max-new-tokens 4 --num-prompts 1 "
-                       "--eyas-variant eyas-b:lr=0.001 --eyas-variant eyas-c:lr=0.0001 --eval-variants best"}  # fmt: skip
+                       "--eyas-variant eyas-b:lr=0.001 --eyas-variant eyas-c:lr=0.0001 --eval-variants top"}  # fmt: skip
     early = _quality_sh(tmp_path, verifier, data, tmp_path / "out0", 900, sets, sub="headtohead", **h2h)
     assert early.returncode == 1 and "no finished regenerate" in early.stdout, early.stdout + early.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 900, sets, until="regenerate")
@@ -248,10 +248,12 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     # each finished eval and each eyas draft's last metrics come back beside it
     assert {p.name for p in (tmp_path / "out2").glob("eval-*.json")} == {f"eval-{n}.json" for n in got["eval"]}
     assert (tmp_path / "out2" / "eyas-b-metrics.jsonl").read_text().strip()
-    # --eval-variants best: of the variants only the one with the highest validation tau, where it beats eyas'
+    # --eval-variants top: of the eyas drafts only the one with the highest validation tau, with the baseline
     val = got["training"]["eyas_validation_tau"]
     top = max(("eyas-b", "eyas-c"), key=val.__getitem__)
-    assert set(got["eval"]) == {"speculators", "eyas"} | ({top} if val[top] > val["eyas"] else set()), (val, got)
+    winner = top if val[top] > val["eyas"] else "eyas"
+    assert set(got["eval"]) == {"speculators", winner} and got["eyas_draft"] == winner, (val, got)
+    assert got["eval"][winner]["speedup"] is not None
 
 
 def test_eval_speedup_smoke(tmp_path):
