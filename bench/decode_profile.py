@@ -73,8 +73,10 @@ from eyas.engine.speculative import plain_generate, speculative_generate  # noqa
 
 
 def kernels(fn, steps: int, top: int = 5) -> dict:
-    """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time, and the
-    kernels by how many a step launches (what fusing would take away: a step is bound by its kernel count)."""
+    """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time, the kernels by
+    how many a step launches (what fusing would take away: a step is bound by its kernel count), and every kernel
+    a step launches fewer than one a layer of (the work outside the layers' compiled code: what compiling or
+    caching it would save, named)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -88,9 +90,13 @@ def kernels(fn, steps: int, top: int = 5) -> dict:
         count[e.name] = count.get(e.name, 0) + 1
     most = sorted(count.items(), key=lambda x: -x[1])[:12]
     top = sorted(by.items(), key=lambda x: -x[1])[:top]
+    # a kernel launched a few times a step, not once per layer (SmolLM2 has 30): the rotary table, final norm,
+    # head, pick, block masks and position bookkeeping around the layers
+    few = sorted((k, n) for k, n in count.items() if n / steps < 8)
     return {"kernels_per_step": len(ev) / steps, "gpu_ms_per_step": sum(by.values()) / 1e3 / steps,
             "top_kernels_ms_per_step": {k[:80]: round(v / 1e3 / steps, 4) for k, v in top},
-            "most_launched_per_step": {k[:80]: round(n / steps, 1) for k, n in most}}  # fmt: skip
+            "most_launched_per_step": {k[:80]: round(n / steps, 1) for k, n in most},
+            "few_per_step": {k[:100]: round(n / steps, 2) for k, n in few}}  # fmt: skip
 
 
 def timed(run, n: int) -> tuple[float, float, dict]:

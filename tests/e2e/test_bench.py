@@ -297,6 +297,7 @@ def test_decode_profile_batched_smoke(tmp_path):
         and r["ms_per_step"] > 0
         and r["agree_with_sdpa"] == 1.0
         and r["step_profile"]["kernels_per_step"] >= 0
+        and isinstance(r["step_profile"]["few_per_step"], dict)  # (no CUDA kernels on a CPU)
     )
 
 
