@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eyas.training.trainer import BEST, BEST_FILE  # noqa: E402 (the path above)
+from eyas.training.trainer import read_best  # noqa: E402 (the path above)
 
 #: speculators' trainer, run as its CLI does (``speculators.train.cli.main`` over its resolved config)
 SPECULATORS_MAIN = (
@@ -241,10 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
         stage(f"train {name}", run_eyas, "train", *common, *train, *flags, "--out", str(out / name), log=log)
         drafts[name] = out / name
     # each draft's best validation tau (none without held-out rows)
-    val_tau = {name: json.loads(f.read_text())["tau"] if (f := out / name / BEST / BEST_FILE).is_file() else None
-               for name, _ in variants}  # fmt: skip
-    ranked = {name: val_tau[name] or 0.0 for name, _ in variants}
+    val_tau = {name: (read_best(out / name) or {}).get("tau") for name, _ in variants}
     if a.eval_variants != "all" and a.eyas_variant:
+        ranked = {name: val_tau[name] or 0.0 for name, _ in variants}
         top = max((name for name, _ in a.eyas_variant), key=ranked.__getitem__)
         keep = {top} if ranked[top] > ranked["eyas"] else {"eyas"}
         if a.eval_variants == "best":

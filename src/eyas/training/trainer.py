@@ -75,6 +75,15 @@ class TTTObjective(nn.Module):
                         chunk_tokens=self.chunk_tokens, compiled=self.compiled, rows=scored_rows)  # fmt: skip
 
 
+def read_best(out: str | os.PathLike) -> dict[str, Any] | None:
+    """What ``OUT/checkpoints/best/best.json`` says of the draft kept there (``step``, ``epochs``, validation
+    ``tau``), or None where there is none (no held-out rows) or it cannot be read."""
+    try:
+        return json.loads((Path(out) / BEST / BEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def compile_draft(draft) -> None:
     """Compile the draft for training in place (state-dict keys unchanged): each TTT step's layer, attention
     included, and final norm as one region (:meth:`eyas.draft.model.Eagle3Draft.ttt_block`). Each region costs the
@@ -569,10 +578,8 @@ class Trainer:
 
     def _best_on_disk(self) -> int | None:
         """The step of the draft OUT/checkpoints/best holds, if any."""
-        try:
-            return json.loads((self.out / BEST / BEST_FILE).read_text())["step"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        best = read_best(self.out)
+        return best.get("step") if isinstance(best, dict) else None
 
     def final_state(self) -> dict[str, torch.Tensor]:
         return _draft_state(self._state()[0])
