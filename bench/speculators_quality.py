@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
         "eyas draft with the highest validation tau (levers ranked by validation, the winner by eval)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: a tiny verifier and data, the dry run, 4 steps")
+    p.add_argument("--commit", default=None, help="the commit measured, recorded in the result")
+    from eyas.core.files import atomic_path
     from eyas.core.manifest import read_manifest
 
     a = p.parse_args(argv)
@@ -199,13 +201,20 @@ def main(argv: list[str] | None = None) -> dict:
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "headtohead.log"
-    seconds: dict[str, float] = {}
+    # each stage's seconds in the call that finished it, kept across calls: a run cut by a time limit and called
+    # again reports what every stage cost, not the few seconds a finished stage takes to find itself done
+    seconds_file = out / "seconds.json"
+    seconds: dict[str, float] = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
 
     def stage(name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
         r = fn(*args, **kwargs)
-        seconds[name] = round(time.perf_counter() - t0, 1)
-        print(f"[{name}] {seconds[name]} s", file=sys.stderr, flush=True)
+        took = round(time.perf_counter() - t0, 1)
+        print(f"[{name}] {took} s", file=sys.stderr, flush=True)
+        if name not in seconds:
+            seconds[name] = took
+            with atomic_path(seconds_file) as tmp:
+                tmp.write_text(json.dumps(seconds, indent=1))
         return r
 
     if a.smoke:
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         reports[name] = json.loads(report.read_text())
     prepared, features = read_manifest(out / "prepared", stage="prepare"), read_manifest(out / "features")
     result = {
-        "bench": "speculators-quality", "smoke": a.smoke, "verifier": str(a.verifier),
+        "bench": "speculators-quality", "smoke": a.smoke, "verifier": str(a.verifier), "commit": a.commit,
+        "device": reports[next(iter(reports))].get("gpu") or "cpu",
         "data": {"conversations": str(conversations), "max_samples": a.max_samples,
                  "rows": prepared["outputs"].get("rows"), "tokens": prepared["outputs"].get("tokens"),
                  "masked_tokens": prepared["outputs"].get("masked_tokens"),

@@ -72,7 +72,7 @@ if [ "$1" = headtohead ]; then
     "UNTIL=regenerate first, or seed it (SEED_RUN, SEED_DATA)" | tee -a "$OUT/status.txt"; exit 1; }
   t0=$SECONDS
   timeout -k 30 "$BUDGET" $PY bench/speculators_quality.py --verifier "$GGUF" --conversations "$R/regenerated" \
-    --max-samples "${H2H_SAMPLES:-5000}" --out "$R/headtohead" --prompts mt-bench ${H2H_ARGS:-} \
+    --max-samples "${H2H_SAMPLES:-5000}" --out "$R/headtohead" --prompts mt-bench ${COMMIT:+--commit $COMMIT} ${H2H_ARGS:-} \
     > "$R/headtohead.out" 2>> "$R/headtohead.err"
   rc=$?
   echo "[headtohead] exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/status.txt"

@@ -240,11 +240,14 @@ def test_quality_sh_headtohead(make_tiny, tmp_path, speculators_dir):
     assert early.returncode == 1 and "no finished regenerate" in early.stdout, early.stdout + early.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out1", 900, sets, until="regenerate")
     assert part.returncode == 0, part.stdout + part.stderr
-    done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, sub="headtohead", **h2h)
+    done = _quality_sh(
+        tmp_path, verifier, data, tmp_path / "out2", 900, sets, sub="headtohead", COMMIT="abc1234", **h2h
+    )
     assert done.returncode == 0 and "head to head done" in done.stdout, done.stdout + done.stderr
     got = json.loads((tmp_path / "out2" / "headtohead.json").read_text())
     assert got["data"]["rows"] == 6 and got["training"]["speculators_dry_run"] is True  # 4 ShareGPT + 2 its own
     assert {r["num_prompts"] for r in got["eval"].values()} == {1} and got["eyas_over_speculators"] > 0
+    assert got["commit"] == "abc1234" and got["device"] == "cpu"
     # each finished eval and each eyas draft's last metrics come back beside it
     assert {p.name for p in (tmp_path / "out2").glob("eval-*.json")} == {f"eval-{n}.json" for n in got["eval"]}
     assert (tmp_path / "out2" / "eyas-b-metrics.jsonl").read_text().strip()
@@ -354,5 +357,7 @@ def test_speculators_head_to_head_smoke(tmp_path, speculators_dir):
     assert written["speculators_model_type"] == "eagle3" and "speculators_version" in written  # speculators' own save
     assert set(result["seconds"]) >= {"train speculators", "train eyas", "eval eyas", "eval speculators"}
     (again,) = _json_lines(args, tmp_path)
-    assert "eval eyas" not in again["seconds"] and again["eval"] == result["eval"]
+    # nothing ran again: each stage's seconds stay those of the call that finished it
+    assert again["seconds"] == result["seconds"] and again["eval"] == result["eval"]
+    assert result["device"] == "cpu" and result["commit"] is None
     assert "speculators' layout of these features, up to date" in (tmp_path / "h2h" / "headtohead.log").read_text()
