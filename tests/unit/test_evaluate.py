@@ -642,6 +642,7 @@ def test_base_verifier_needs_a_chat_template(make_tiny, tmp_path):
     report = ev.evaluate(chat_template=str(COMPLETION), **kw)
     assert report["chat_template_sha256"] == hashlib.sha256(COMPLETION.read_bytes()).hexdigest()
     assert report["chat_template"] == str(COMPLETION) and report["lossless"] is True
+    assert report["draft_attention"] == "sdpa"  # the draft cache's on CPU ("matmul" on CUDA)
 
 
 def test_lossless_check_catches_a_wrong_loop(setups, monkeypatch):

@@ -66,11 +66,20 @@ def _inference_logits(model: Eagle3Draft, ids, aux, t: int, k: int, offset: int 
     return out
 
 
-@pytest.mark.parametrize("cache_attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("cache_attention", ["sdpa", "matmul", "matmul-long-prefill"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_ttt_equals_inference(variant, cache_attention):
+def test_ttt_equals_inference(variant, cache_attention, monkeypatch):
     """TTT (through SDPA) equals drafting step by step through the cache, whose attention is SDPA or "matmul"
-    (grouped query heads folded into the query rows, two matmuls around a masked softmax)."""
+    (grouped query heads folded into the query rows, two matmuls around a masked softmax; a block of more than
+    MATMUL_MAX_QUERIES queries, the prompt's, through SDPA)."""
+    import eyas.draft.attention as attention
+
+    if cache_attention == "matmul-long-prefill":  # the first step's block through SDPA, the rest as matmuls
+        monkeypatch.setattr(attention, "MATMUL_MAX_QUERIES", 2)
+        calls = []
+        real = attention.masked_attention
+        monkeypatch.setattr(attention, "masked_attention", lambda *a: calls.append(a[-1]) or real(*a))
+        cache_attention = "matmul"
     torch.manual_seed(1)
     T, steps = 20, 4
     model = _draft(**VARIANTS[variant])
@@ -84,6 +93,8 @@ def test_ttt_equals_inference(variant, cache_attention):
             inf = _inference_logits(model, ids, aux, t, steps - 1)
             for k in range(steps):
                 torch.testing.assert_close(ttt[k][0, t], inf[k][0], rtol=1e-9, atol=1e-9, msg=f"step {k} t {t}")
+    if attention.MATMUL_MAX_QUERIES == 2:
+        assert {"sdpa", "matmul"} <= set(calls), calls
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "all"])

@@ -68,6 +68,7 @@ def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = 
     rendered with, end-of-turn ids) and the draft (a checkpoint dir, or 'random'), on ``device`` in ``dtype``."""
     from eyas.draft.checkpoint import load_draft
     from eyas.data.chat import NO_TEMPLATE_HINT
+    from eyas.draft.attention import decode_attn_implementation
     from eyas.verifier.load import build_text_model, load_tokenizer
     from eyas.verifier.info import resolve
 
@@ -81,6 +82,7 @@ def setup(*, verifier: str, draft: str, device: str | None = None, dtype: str = 
         d, manifest = random_draft(info, seed=seed, device=dev, dtype=dt), {}
     else:
         d, manifest = load_draft(draft, verifier=info, device=dev, dtype=dt), draft_manifest(draft)
+    d.attn_implementation = decode_attn_implementation(dev)  # the cache it drafts through
     model = build_text_model(info, dtype=dt, device=dev)
     if model.config.vocab_size != d.config.vocab_size:
         raise EyasError(f"the draft {draft} is for a vocab of {d.config.vocab_size}, the verifier has "
@@ -255,6 +257,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         # the verifier's layers compiled with their weights as constants (gate/up one matmul; q/k/v one without GQA)
         "frozen": graphs and runners.base.graphs.compile_model is not None and runners.base.graphs.freeze,
         "fused_rounds": graphs and c.fused_rounds and c.temperature == 0,
+        "draft_attention": env["draft"].attn_implementation,  # the draft cache's (decode_attn_implementation)
         "batch_size": 1,
         "chat_template_sha256": template_sha,
         "chat_template": c.chat_template,  # --chat-template, or None: the tokenizer's own
