@@ -507,6 +507,53 @@ def test_failed_checkpoint_write_keeps_the_last_one_and_resumes(inputs, tmp_path
     assert steps == sorted(set(steps)) and steps[-1] == 4  # no record written twice across the resume
 
 
+def test_muon_groups_learn_and_resume_bit_identical(inputs, tmp_path, monkeypatch):
+    """--optimizer muon (speculators' default, torch.optim.Muon): Muon on the layer's and fc's matrices, AdamW on
+    the rest (norms, lm_head), every trainable weight in exactly one; it learns, and a run cut after its second
+    checkpoint (the third's write fails) resumes to the weights of an uninterrupted run, bit for bit: both
+    optimizers' states are in the checkpoint."""
+    import eyas.training.trainer as trainer_mod
+    from eyas.training.optim import build_optimizers
+
+    class Layout(torch.nn.Module):  # the draft's parameter names and ranks
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4, bias=False)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False)])
+            self.norm = torch.nn.LayerNorm(4, bias=False)
+            self.lm_head = torch.nn.Linear(4, 16, bias=False)
+
+    m = Layout()
+    muon, adamw = build_optimizers(m, name="muon", lr=1e-3, weight_decay=0.01, fused=False)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    ids = lambda opt: {id(p) for g in opt.param_groups for p in g["params"]}  # noqa: E731
+    assert ids(muon) == {id(m.fc.weight), id(m.layers[0].weight)}
+    assert ids(adamw) == {id(m.norm.weight), id(m.lm_head.weight)}
+
+    args = dict(verifier=inputs["verifier"], data=inputs["features"], vocab=inputs["vocab"], epochs=1, max_steps=4,
+                val_ratio=0.0, save_every=1, optimizer="muon", lr=3e-3, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "whole"), **args)
+    recs = _records(tmp_path / "whole")
+    assert recs[-1]["loss"] < recs[0]["loss"], recs
+    real_save, calls = torch.save, []
+
+    def failing_save(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 3:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(trainer_mod.torch, "save", failing_save)
+    with pytest.raises(EyasError, match="step-00000003 failed"):
+        train(out=str(tmp_path / "cut"), **args)
+    monkeypatch.setattr(trainer_mod.torch, "save", real_save)
+    train(out=str(tmp_path / "cut"), **args)
+    whole, resumed = _final_state(tmp_path / "whole"), _final_state(tmp_path / "cut")
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+
+
 def test_bad_inputs_fail_before_the_first_step(inputs, make_tiny, tmp_path):
     from eyas.stages.extract import extract
 
