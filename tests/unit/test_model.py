@@ -306,6 +306,36 @@ def test_compiled_draft_equals_eager_on_cpu(variant):
                     torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_ttt_steps_share_one_compiled_shape(impl):
+    """With fixed shapes (compile_draft's: every step attends to ttt_steps blocks, the steps not yet run as zeros
+    it cannot see) the compiled TTT block compiles once for every step with gradients and once more without
+    (validation), where the growing layout compiles once a step each way; both give the same outputs."""
+    from eyas.verifier.compile import compile_work
+
+    torch.manual_seed(5)
+    B, T, steps = 2, 16, 3
+    ids, aux = torch.randint(0, V, (B, T)), torch.randn(B, T, 3 * H)
+    doc = torch.tensor([[0] * 6 + [1] * 10, [0] * 13 + [-1] * 3])
+    outs = {}
+    for fixed in (False, True):
+        torch._dynamo.reset()
+        m = _draft(seed=5, impl=impl, num_hidden_layers=2).float()
+        m.ttt_fixed_shapes = fixed
+        m.ttt_block = torch.compile(m.ttt_block, backend="eager", dynamic=False)
+        before = compile_work()[0]
+        with torch.set_grad_enabled(impl == "sdpa"):  # torch has no flex backward on CPU
+            outs[fixed] = m.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
+        with torch.no_grad():
+            m.ttt(ids, aux, ttt_steps=steps, doc_ids=doc)
+        compiles = compile_work()[0] - before
+        assert compiles == ((1 if impl == "sdpa" else 0) + 1 if fixed else steps * (2 if impl == "sdpa" else 1)), (
+            compiles
+        )
+    for a, b in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_flex_in_the_compiled_layer_equals_sdpa_on_cpu():
     """Flex attention traced inside the compiled layer region (forward: torch has no flex backward on CPU; the
     GPU tests check gradients) equals SDPA with the dense mask, across two batches without recompiling."""

@@ -271,6 +271,33 @@ def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
         train(out=str(tmp_path / "refused"), deferred_wgrad=True, gradient_checkpointing=True, **kw)
 
 
+def test_compiled_ttt_steps_share_one_graph_and_train_the_same_weights(inputs, tmp_path, monkeypatch):
+    """The compiled draft (compile_draft: every TTT step one shape, deferred weight gradients staged through slot
+    0) compiles its TTT block once for training and once for validation, over steps, micro-batches and epochs,
+    where each step once compiled its own; and it trains the weights of the uncompiled run."""
+    import torch._dynamo.utils as dynamo_utils
+
+    import eyas.stages.train as train_stage
+    from eyas.training import trainer as trainer_mod
+
+    def compile_draft(draft):  # compile_draft's settings, the eager backend: what is compiled, not inductor's code
+        trainer_mod.compile_draft(draft)
+        draft.ttt_block = torch.compile(type(draft).ttt_block.__get__(draft), backend="eager", dynamic=False)
+
+    monkeypatch.setattr(trainer_mod.TTTObjective, "__init__", _eager_objective(trainer_mod.TTTObjective.__init__))
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=2, max_steps=4,
+              val_ratio=0.2, **{**COMMON, "grad_accum": 2})  # fmt: skip
+    assert train(out=str(tmp_path / "eager"), compile=False, **kw)["deferred_wgrad"]
+    monkeypatch.setattr(train_stage, "compile_draft", compile_draft)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    train(out=str(tmp_path / "compiled"), compile=True, **kw)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # with gradients, and without (validation)
+    a, b = _final_state(tmp_path / "eager"), _final_state(tmp_path / "compiled")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, monkeypatch):
     """With small loss chunks the loader hands the loss the positions some TTT step scores (the rows' prompts and
     the packing padding left out), and the verifier's head the positions whose targets some step reads; training

@@ -79,12 +79,23 @@ class TTTContext:
     ``j*T + s`` is step ``j``, sequence index ``s``. Query ``t`` sees block 0 at
     ``s <= t`` in its document, and blocks ``1..k`` at ``s == t`` only. Each of
     the ``num_layers`` decoder layers attends to its own keys under that one mask.
+
+    With ``fixed_steps=S`` (the number of TTT steps) every step attends to ``S`` blocks instead, so each step
+    has the same shapes and a compiled step (``eyas.training.trainer.compile_draft``) compiles once, not once a
+    step: blocks ``0..k-1`` hold the earlier steps' keys, blocks ``k..S-2`` zeros (``zeros``, ``[B, kv, T, d]``)
+    that no query sees, block ``S-1`` the current step's own. FlexAttention skips the unseen blocks (its block
+    table lists only the visible ones), so only the dense mask pays for them.
     """
 
-    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl, *, num_layers: int = 1) -> None:
+    def __init__(self, doc_ids: torch.Tensor, attn_implementation: AttnImpl, *, num_layers: int = 1,
+                 fixed_steps: int | None = None, zeros: torch.Tensor | None = None) -> None:  # fmt: skip
+        if fixed_steps is not None and fixed_steps > 1 and zeros is None:
+            raise ValueError("fixed_steps needs the zero keys that stand for the steps not yet run")
         self.doc_ids = doc_ids
         self.impl = attn_implementation
         self.num_layers = num_layers
+        self.fixed_steps = fixed_steps
+        self.zeros = zeros
         self.keys: list[list[torch.Tensor]] = []  # [step][layer] -> [B, kv, T, d]
         self.values: list[list[torch.Tensor]] = []
         self._block_masks: dict[int, Any] = {}
@@ -109,7 +120,11 @@ class TTTContext:
             causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
             self._dense = (causal, diag)
         causal, diag = self._dense
-        return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
+        if self.fixed_steps is None:
+            return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
+        earlier = [causal] + [diag] * (k - 1) if k > 0 else []  # blocks 0..k-1: the steps before
+        unseen = [torch.zeros_like(diag)] * (self.fixed_steps - 1 - k)  # blocks k..S-2: zeros
+        return torch.cat([*earlier, *unseen, causal if k == 0 else diag], dim=-1)[:, None]  # [B, 1, T, S*T]
 
     def _block_mask(self, k: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -118,31 +133,60 @@ class TTTContext:
             B, T = self.doc_ids.shape
             docs = self.doc_ids
 
-            def mask_mod(b, h, q_idx, kv_idx):
-                step, s = kv_idx // T, kv_idx % T
-                causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
-                return torch.where(step == 0, causal, s == q_idx)
+            if self.fixed_steps is None:
 
+                def mask_mod(b, h, q_idx, kv_idx):
+                    step, s = kv_idx // T, kv_idx % T
+                    causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
+                    return torch.where(step == 0, causal, s == q_idx)
+
+                kv_len = (k + 1) * T
+            else:
+                last = self.fixed_steps - 1
+                # the step as a tensor the mask reads, not a constant it is built for: one compile for every step
+                current = torch.full((), k, dtype=torch.long, device=docs.device)
+
+                def mask_mod(b, h, q_idx, kv_idx):
+                    block, s = kv_idx // T, kv_idx % T
+                    step = torch.where(block == last, current, block)  # whose keys: block S-1 is this step's
+                    causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
+                    return torch.where(step == 0, causal, s == q_idx) & ((block < current) | (block == last))
+
+                kv_len = self.fixed_steps * T
             # Compiled, create_block_mask builds the mask block by block in one fused kernel instead of
             # materialising [B, T, (k+1)T] booleans; torch >= 2.11 deprecates its `_compile` flag for this.
             build = _compiled_create_block_mask() if docs.device.type == "cuda" else create_block_mask
-            self._block_masks[k] = build(mask_mod, B, None, T, (k + 1) * T, device=docs.device)
+            self._block_masks[k] = build(mask_mod, B, None, T, kv_len, device=docs.device)
         return self._block_masks[k]
 
     def past(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """Per layer, the keys and values ``[B, kv, T, d]`` of the steps before the current one."""
+        """Per layer, the keys and values ``[B, kv, T, d]`` of the steps before the current one (with
+        ``fixed_steps``, then zeros for the steps after it: ``S - 1`` in all)."""
         keys = [[step[i] for step in self.keys[: self.step]] for i in range(self.num_layers)]
         values = [[step[i] for step in self.values[: self.step]] for i in range(self.num_layers)]
+        if self.fixed_steps is not None:  # the steps not yet run as zeros, which the mask hides
+            # each its own tensor, and needing a gradient when the real ones do: a compiled step guards on its
+            # inputs' aliasing and requires_grad, and would compile again for each step's pattern of them
+            def unseen():
+                return [self.zeros.clone().requires_grad_(torch.is_grad_enabled())
+                        for _ in range(self.fixed_steps - 1 - self.step)]  # fmt: skip
+
+            keys, values = [k + unseen() for k in keys], [v + unseen() for v in values]
         return keys, values
 
     def mask(self):
         """The current step's mask, in the format its attention takes: a ``BlockMask`` for flex, a dense
-        ``[B, 1, T, (step+1)*T]`` boolean otherwise."""
+        ``[B, 1, T, (step+1)*T]`` boolean otherwise (``[B, 1, T, S*T]`` with ``fixed_steps``)."""
         return self._block_mask(self.step) if self.impl == "flex" else self._dense_mask(self.step)
 
     def record(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Keep the current step's keys and values ``[B, kv, T, d]`` (one per layer) for the steps after it."""
         del self.keys[self.step :], self.values[self.step :]  # a recomputed step drops its first run's (equal) keys
+        if self.fixed_steps is not None:
+            # in the zeros' (contiguous) layout: a compiled step guards on its inputs' strides, and its outputs'
+            # are inductor's choice (a size-1 batch dimension's stride included)
+            keys = [k.clone(memory_format=torch.contiguous_format) for k in keys]
+            values = [v.clone(memory_format=torch.contiguous_format) for v in values]
         self.keys.append(list(keys))
         self.values.append(list(values))
 

@@ -29,6 +29,7 @@ is :mod:`eyas.stages.export`'s business.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -308,8 +309,9 @@ class Eagle3DecoderLayer(nn.Module):
         :class:`TTTContext`. Returns the pre-norm output ``[B, T, H]`` and this step's k, v ``[B, kv, T, d]``.
         """
         q, k, v, residual = self.pre_attention(embeds, hidden, cos, sin)
-        keys = torch.cat([*past_keys, k], dim=2)  # [B, kv, (step+1)*T, d]
-        values = torch.cat([*past_values, v], dim=2)
+        # [B, kv, (step+1)*T, d], or [B, kv, S*T, d] with TTTContext's fixed_steps (its zeros in k's dtype)
+        keys = torch.cat([*(p.to(k.dtype) for p in past_keys), k], dim=2)
+        values = torch.cat([*(p.to(v.dtype) for p in past_values), v], dim=2)
         attn = masked_attention(q, keys, values, mask, self.self_attn.scale, impl)
         return self.post_attention(attn, residual), k, v
 
@@ -330,6 +332,10 @@ class Eagle3Draft(nn.Module):
         # Recompute each TTT step's decoder layer in backward instead of keeping its activations (transformers'
         # name for it): activations shrink to the steps' inputs and outputs, for about a third more layer compute.
         self.gradient_checkpointing = False
+        # Every TTT step attends to ttt_steps blocks of keys (the steps not yet run as zeros it cannot see), so
+        # each step has one shape and a compiled ttt_block compiles once for all of them (TTTContext's
+        # fixed_steps); set by eyas.training.trainer.compile_draft.
+        self.ttt_fixed_shapes = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen: the verifier's
         self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
@@ -428,7 +434,8 @@ class Eagle3Draft(nn.Module):
 
     def ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, *, ttt_steps: int,
             doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            inputs_embeds: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+            inputs_embeds: torch.Tensor | None = None,
+            before_step: Callable[[int | None], None] | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Training-time test over whole sequences: the normed output ``[B, T, H]`` of each step.
 
         ``input_ids [B, T]`` are the verifier's tokens ``x_0..x_{T-1}`` and
@@ -439,7 +446,8 @@ class Eagle3Draft(nn.Module):
         ``t+1+k``). Tokens past the end read id 0; the caller masks their loss.
         ``inputs_embeds [B, T + ttt_steps, H]``, when given, are the embeddings of
         ``input_ids`` followed by ``ttt_steps`` tokens of id 0 (so each step reads
-        a slice of them instead of looking its tokens up).
+        a slice of them instead of looking its tokens up). ``before_step(k)``, when given, runs before step ``k``
+        and ``before_step(None)`` after the last (the trainer's staged deferred weight gradients).
         """
         B, T = input_ids.shape
         if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != (B, T + ttt_steps):
@@ -449,8 +457,13 @@ class Eagle3Draft(nn.Module):
             doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = _positions_within_docs(doc_ids)
-        context = TTTContext(doc_ids, self.attn_implementation, num_layers=len(self.layers))
         hidden = self.fuse(aux_hidden)
+        fixed = {}
+        if self.ttt_fixed_shapes and ttt_steps > 1:
+            # the zero keys of the steps not yet run: [B, kv, T, d] in the keys' dtype
+            zeros = hidden.new_zeros(B, self.config.num_key_value_heads, T, self.config.head_dim)
+            fixed = dict(fixed_steps=ttt_steps, zeros=zeros)
+        context = TTTContext(doc_ids, self.attn_implementation, num_layers=len(self.layers), **fixed)
         # Every step's embeddings and RoPE at once (the host dispatches each operation once, not once per step):
         # step k reads the rows of x_{t+1+k} (ids past the end read id 0; their loss is masked) at position
         # pos_t + k.
@@ -470,6 +483,8 @@ class Eagle3Draft(nn.Module):
                 return self.step(None, hidden, positions, context, inputs_embeds=embeds, position_embeddings=(cos, sin))
 
             args = (hidden, positions[k], embeds, cos[k], sin[k])
+            if before_step is not None:
+                before_step(k)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
@@ -477,6 +492,8 @@ class Eagle3Draft(nn.Module):
             else:
                 normed, hidden = run(*args)
             outputs.append(normed)
+        if before_step is not None:
+            before_step(None)
         return outputs
 
     def new_cache(self, *, batch_size: int, max_len: int, device=None, dtype=None) -> DraftCache:

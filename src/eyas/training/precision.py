@@ -112,16 +112,28 @@ class _DeferredGrad:
     holds it), reset by :meth:`begin`."""
 
     def __init__(self) -> None:
-        self.x: list[torch.Tensor | None] = []
+        self.x: list[torch.Tensor | None] = []  # what a forward writes: every use's input, or (staged) one slot
+        self.kept: list[torch.Tensor | None] = self.x  # every use's input, read in backward
+        self.current = 0  # staged: the use whose input slot 0 holds
         self.acc: torch.Tensor | None = None
 
-    def begin(self, uses: int) -> None:
-        self.x[:] = [None] * uses  # the same list object: a compiled region writes into it
-        self.acc = None
+    def begin(self, uses: int, *, staged: bool = False) -> None:
+        """``staged``: a forward writes each use's input into slot 0 of ``x`` (:func:`stage_deferred_use` moves
+        it to ``kept`` between uses), so a compiled use's code is the same for every use."""
+        self.x[:] = [None] * (1 if staged else uses)  # the same list object: a compiled region writes into it
+        self.kept = [None] * uses if staged else self.x
+        self.current, self.acc = 0, None
+
+    def stage(self, use: int | None) -> None:
+        """Keep the staged input of the use that just ran; ``use`` runs next (None: the forward is done)."""
+        if self.kept is not self.x and self.x[0] is not None:
+            self.kept[self.current], self.x[0] = self.x[0], None
+        if use is not None:
+            self.current = use
 
     def add(self, use: int, g: torch.Tensor, dtype: torch.dtype) -> None:
         """Add use ``use``'s ``g^T x`` into the sum (in ``dtype``, by the matmul itself)."""
-        x, self.x[use] = self.x[use], None
+        x, self.kept[use] = self.kept[use], None
         if x is None:
             raise RuntimeError(f"deferred weight gradient: use {use} has no input (a forward ran without "
                                "begin_deferred_wgrad, or was recomputed)")  # fmt: skip
@@ -179,6 +191,7 @@ class WorkingLinear(nn.Linear):
     _working_key: tuple | None
     _deferred: _DeferredGrad | None  # set when deferred weight gradients are possible (use_working_weights)
     _sinks: list[torch.Tensor]  # this forward's sinks, one per use (begin_deferred_wgrad); empty: not deferred
+    _all_sinks: list[torch.Tensor]  # staged: every use's sink, the current one in _sinks[0]
     _use: int  # the next use's index within this forward
 
     def refresh(self) -> None:
@@ -235,29 +248,44 @@ def use_working_weights(module: nn.Module, dtype: torch.dtype, *, skip: tuple[nn
             m.working_dtype, m._working, m._working_key = dtype, None, None
             m.keep_working = not any(m is c for c in cast_per_call)
             m._deferred = _DeferredGrad() if m.keep_working else None
-            m._sinks, m._use = [], 0
+            m._sinks, m._all_sinks, m._use = [], [], 0
             m.refresh()
             n += 1
     return n
 
 
-def begin_deferred_wgrad(module: nn.Module, *, uses: int, lead_shape: tuple[int, ...]) -> int:
+def begin_deferred_wgrad(module: nn.Module, *, uses: int, lead_shape: tuple[int, ...], staged: bool = False) -> int:
     """Before a forward (with gradients) that calls each kept-copy :class:`WorkingLinear` under ``module``
     exactly ``uses`` times on inputs ``[*lead_shape, in]`` (training-time test: once per step): each use's
     weight gradient will be accumulated into one fp32 buffer by its matmul and handed to autograd once, after
     the last use's backward. Not with activation checkpointing (a recomputed forward would use them again).
+    ``staged``: each use reads its sink from, and writes its input to, slot 0, and :func:`stage_deferred_use`
+    before each use (and after the last) puts them in place, so a compiled region that holds one use (a TTT step
+    with fixed shapes) runs one compiled version for every use, not one per use index.
     Returns how many linears defer."""
     n = 0
     for m in module.modules():
         if isinstance(m, WorkingLinear) and m._deferred is not None:
-            m._deferred.begin(uses)
+            m._deferred.begin(uses, staged=staged)
             anchor = _Collect.apply(m.weight, m._deferred)
             sinks = [_Sink.apply(anchor, m._deferred, k, (*lead_shape, m.out_features), m.working_dtype)
                      for k in range(uses)]  # fmt: skip
-            m._sinks[:] = sinks  # the same list object: a compiled region reads it
+            m._all_sinks = sinks
+            m._sinks[:] = sinks[:1] if staged else sinks  # the same list object: a compiled region reads it
             m._use = 0
             n += 1
     return n
+
+
+def stage_deferred_use(module: nn.Module, use: int | None) -> None:
+    """Between the uses of a staged :func:`begin_deferred_wgrad` forward: keep each linear's input of the use
+    that ran, and put use ``use``'s sink in slot 0 (None: after the last use)."""
+    for m in module.modules():
+        if isinstance(m, WorkingLinear) and m._deferred is not None and m._sinks:
+            m._deferred.stage(use)
+            if use is not None:
+                m._sinks[0] = m._all_sinks[use]
+                m._use = 0
 
 
 def end_deferred_wgrad(module: nn.Module) -> None:
@@ -266,6 +294,7 @@ def end_deferred_wgrad(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, WorkingLinear) and m.keep_working:
             m._sinks.clear()
+            m._all_sinks = []
             m._use = 0
 
 

@@ -15,6 +15,7 @@ the same state, the step counters, the optimizers and the last metrics; split, e
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from eyas.training.batches import HOST_KEYS, Step, StepData, plan_epoch
 from eyas.core.errors import EyasError
 from eyas.training.loss import CHUNK_TOKENS, TargetHead, Targets, step_masks, ttt_loss
 from eyas.training.optim import build_optimizers, clip_gradients, lr_factor
-from eyas.training.precision import FusedAdamW, begin_deferred_wgrad, refresh_working_weights
+from eyas.training.precision import FusedAdamW, begin_deferred_wgrad, refresh_working_weights, stage_deferred_use
 from eyas.training.log import Meter, RunLog, flat_metrics
 
 CHECKPOINTS = "checkpoints"
@@ -63,10 +64,14 @@ class TTTObjective(nn.Module):
     def forward(self, input_ids, doc_ids, position_ids, aux, loss_mask, target_logits, target_argmax, in_vocab,
                 denom, inputs_embeds=None, scored_rows=None):  # fmt: skip
         refresh_working_weights(self.draft)  # the optimizer moved the masters; compiled regions cannot check
+        before_step = None
         if self.deferred_wgrad and torch.is_grad_enabled():  # each layer weight is used once per TTT step
-            begin_deferred_wgrad(self.draft, uses=self.ttt_steps, lead_shape=tuple(input_ids.shape))
+            # staged with fixed TTT shapes: every step's compiled code reads its sink from slot 0, one version
+            staged = self.draft.ttt_fixed_shapes
+            begin_deferred_wgrad(self.draft, uses=self.ttt_steps, lead_shape=tuple(input_ids.shape), staged=staged)
+            before_step = functools.partial(stage_deferred_use, self.draft) if staged else None
         normed = self.draft.ttt(input_ids, aux, ttt_steps=self.ttt_steps, doc_ids=doc_ids, position_ids=position_ids,
-                                inputs_embeds=inputs_embeds)  # fmt: skip
+                                inputs_embeds=inputs_embeds, before_step=before_step)  # fmt: skip
         valid = step_masks(loss_mask, doc_ids, self.ttt_steps).flatten(1)  # [S, B*T]
         scale = (self.step_weights / denom.clamp(min=1)).float()  # [S]
         targets = Targets(target_logits, target_argmax, in_vocab)
@@ -89,7 +94,11 @@ def compile_draft(draft) -> None:
     included, and final norm as one region (:meth:`eyas.draft.model.Eagle3Draft.ttt_block`). Each region costs the
     host a guard check and an autograd wrapper per call, forward and backward, and the step is host-bound at
     2048 tokens: one region per TTT step (before commit e2b6822 there were four: the layer's halves around an
-    eager attention call that ran its own compiled flex kernel, and the norm)."""
+    eager attention call that ran its own compiled flex kernel, and the norm). Every TTT step has the same shapes
+    (the steps not yet run as zero keys no query sees: TTTContext's ``fixed_steps``), and the deferred weight
+    gradients are staged through one slot, so the region compiles once with gradients and once without
+    (validation) instead of once a step each way (6 compiles at 3 TTT steps, now 2)."""
+    draft.ttt_fixed_shapes = True  # every TTT step one shape: one compile, not one a step (TTTContext)
     draft.ttt_block = torch.compile(draft.ttt_block, dynamic=False)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
 
