@@ -710,6 +710,12 @@ def _worker_init(_worker_id: int) -> None:
 def _worker_sigterm(_signum: int, _frame: Any) -> None:
     """A loader worker's first SIGTERM as Ctrl-C; any later one ends it at once, without Python: the trainer's
     loader shutdown terminates a worker still exiting (slow on a busy machine), and an interrupt raised in its
-    exit finalizers printed a traceback."""
+    exit finalizers printed a traceback. The worker counts as exiting from here: its thread that hands the
+    trainer the file descriptors of shared tensors (multiprocessing.resource_sharer) then drops a fetch the
+    interrupted trainer abandoned quietly, where it printed that connection's traceback (it checks
+    ``multiprocessing.util.is_exiting()``)."""
+    import multiprocessing.util
+
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    multiprocessing.util._exiting = True  # what is_exiting() reads; its own exit handler sets it later
     raise KeyboardInterrupt
