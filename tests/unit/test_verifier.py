@@ -108,6 +108,79 @@ def test_fingerprint_is_cheap_and_changes_with_weights(make_tiny, tmp_path):
     assert fingerprint(resolve(copy)) != fp
 
 
+def _write_gguf(path, *, endian=None, alignment=None):
+    """A small GGUF through the gguf package's writer: scalar fields of every kind, string and number arrays (a
+    tokenizer's kind), an array of arrays, and F32, F16 and Q8_0 tensors."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "llama", **({"endianess": endian} if endian is not None else {}))
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_uint32("llama.block_count", 2)
+    w.add_int64("x.i64", -3)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float64("x.f64", 0.1)
+    w.add_bool("x.bool", True)
+    w.add_string("x.name", "naïve")
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" * (i % 5 + 1) for i in range(300)])
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    w.add_array("x.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("b.f16", rng.standard_normal((4, 8)).astype(np.float16))
+    q = rng.standard_normal((2, 64)).astype(np.float32)
+    w.add_tensor(
+        "c.q8", gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_gguf_header_reads_what_gguf_reader_reads(tmp_path, alignment):
+    """eyas' GGUF header reader walks past the arrays (a tokenizer's 100k strings took gguf.GGUFReader seconds)
+    and gives the scalar fields, the tensor table and every tensor's values that gguf.GGUFReader gives; a
+    big-endian file is left to gguf.GGUFReader; a file that is not GGUF, or is cut short, is refused by name."""
+    import gguf
+    import numpy as np
+
+    from eyas.verifier.gguf_header import _read_with_gguf_reader, gguf_header, read_gguf_header, read_gguf_tensor
+
+    path = _write_gguf(tmp_path / "m.gguf", alignment=alignment)
+    got, want = read_gguf_header(path), _read_with_gguf_reader(path)
+    assert got.fields == want.fields and got.fields["x.name"] == "naïve"
+    assert got.fields["tokenizer.ggml.tokens"] is None and got.fields["x.nested"] is None  # arrays: not read
+    assert got.tensors == want.tensors
+    for name in want.tensors:
+        np.testing.assert_array_equal(read_gguf_tensor(got, name), read_gguf_tensor(want, name))
+    big = _write_gguf(tmp_path / "big.gguf", endian=gguf.GGUFEndian.BIG)
+    assert read_gguf_header(big) is None and gguf_header(big).reader is not None
+    assert gguf_header(big).fields["llama.block_count"] == 2
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(EyasError, match="not.gguf is not a GGUF file"):
+        read_gguf_header(tmp_path / "not.gguf")
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:200])
+    with pytest.raises(EyasError, match="cut.gguf is not a readable GGUF file"):
+        read_gguf_header(tmp_path / "cut.gguf")
+
+
+def test_smollm2_gguf_header_equals_gguf_reader(smollm2_path):
+    """On SmolLM2's GGUF (its tokenizer in arrays, Q4_1 and F32 tensors): the fields, the tensor table and the
+    values of the tensors a draft borrows equal gguf.GGUFReader's."""
+    import numpy as np
+
+    from eyas.verifier.gguf_header import _read_with_gguf_reader, read_gguf_header, read_gguf_tensor
+
+    got, want = read_gguf_header(smollm2_path), _read_with_gguf_reader(smollm2_path)
+    assert got.fields == want.fields and got.tensors == want.tensors
+    for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"):
+        np.testing.assert_array_equal(read_gguf_tensor(got, name), read_gguf_tensor(want, name))
+
+
 def test_smollm2_gguf(smollm2_path, smollm2_model):
     info = resolve("smollm2")
     assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (30, 576, 49152)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eyas.core.errors import EyasError
+from eyas.verifier.gguf_header import gguf_header
 from eyas.verifier.locate import (TensorRef, config_for, known_causal_lm, locate_checkpoint, read_config, text_model_type,
                          weight_refs)  # fmt: skip
 
@@ -295,24 +296,23 @@ def _resolve_gguf(ckpt: Path, name: str) -> VerifierInfo:
     import gguf
     import numpy as np
 
-    reader = gguf_reader(ckpt / name)
-    fields = reader.fields
+    header = gguf_header(ckpt / name)
 
     def field_value(key: str, default: Any = None) -> Any:
-        f = fields.get(key)
-        return default if f is None else f.contents()
+        v = header.fields.get(key)
+        return default if v is None else v
 
     arch = field_value("general.architecture")
     if arch is None:
         raise EyasError(f"{ckpt / name}: GGUF file without general.architecture")
     H = int(field_value(f"{arch}.embedding_length"))
     L = int(field_value(f"{arch}.block_count"))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = header.tensors
 
     def ref(tname: str) -> TensorRef:
         t = tensors[tname]
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        return TensorRef(tname, name, f"gguf:{t.tensor_type.name}", shape)
+        shape = tuple(reversed(t.dims))  # GGUF lists dims innermost first
+        return TensorRef(tname, name, f"gguf:{gguf.GGMLQuantizationType(t.ggml_type).name}", shape)
 
     if "token_embd.weight" not in tensors or "output_norm.weight" not in tensors:
         raise EyasError(f"{ckpt / name}: no token_embd.weight / output_norm.weight tensor")
@@ -352,22 +352,6 @@ def _resolve_gguf(ckpt: Path, name: str) -> VerifierInfo:
         text_config=tcfg,
         weight_prefix="",
     )
-
-
-_GGUF_READERS: dict[tuple[str, int], Any] = {}
-
-
-def gguf_reader(path: Path):
-    """GGUFReader parses every token string (seconds for a large vocab): keep one per file."""
-    import gguf
-
-    key = (str(path.resolve()), path.stat().st_mtime_ns)
-    if key not in _GGUF_READERS:
-        try:
-            _GGUF_READERS[key] = gguf.GGUFReader(path)
-        except Exception as e:
-            raise EyasError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    return _GGUF_READERS[key]
 
 
 def fingerprint(info: VerifierInfo) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from torch import nn
 from eyas.core.errors import EyasError
 from eyas.core.files import atomic_path
 from eyas.verifier.locate import DEMO_VERIFIER, locate_checkpoint, weight_refs
-from eyas.verifier.info import TensorRef, VerifierInfo, gguf_reader, resolve, transformers_text_config
+from eyas.verifier.info import TensorRef, VerifierInfo, resolve, transformers_text_config
 
 # --------------------------------------------------------------------------- tensors
 
@@ -42,11 +42,9 @@ class HeadTensors:
 
 def _read_tensor(info: VerifierInfo, ref: TensorRef) -> torch.Tensor:
     if info.gguf_file:
-        from gguf.quants import dequantize
+        from eyas.verifier.gguf_header import gguf_header, read_gguf_tensor
 
-        reader = gguf_reader(Path(info.path))
-        t = next(t for t in reader.tensors if t.name == ref.key)
-        arr = dequantize(t.data, t.tensor_type)
+        arr = read_gguf_tensor(gguf_header(Path(info.path)), ref.key)
         return torch.from_numpy(arr.copy()).reshape(ref.shape)
     from safetensors import safe_open
 
