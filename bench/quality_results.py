@@ -110,6 +110,8 @@ def gather(run: Path, *, expect: Sequence[str] = ("mt-bench", "humaneval"), gpu:
             continue
         s, o = d["settings"], d["outputs"]
         runs.append({"draft": m.parent.name, "lr": s["lr"], "epochs": s["epochs"], "batch_tokens": s["batch_tokens"],
+                     "optimizer": s.get("optimizer"), "compiles": o.get("compiles"),
+                     "compile_seconds": o.get("compile_seconds"),
                      "steps": o.get("steps"), "val_tau": (o.get("val") or {}).get("tau"),
                      "val_acc": (o.get("val") or {}).get("acc"), "train_tau": (o.get("train") or {}).get("tau"),
                      "val_covers": {k: v for k, v in ((o.get("val") or {}).get("covers") or {}).items() if k != "what"},

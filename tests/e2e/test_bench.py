@@ -193,7 +193,8 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     assert set(got["eval"]) == {"mt-bench", "humaneval"} and got["complete"] is True
     assert got["eval"]["mt-bench"]["K=3"]["num_prompts"] == 1 and got["eval"]["humaneval"]["K=3"]["lossless"]
     assert got["prompts"]["prompts"] == 2 and got["regenerate"]["prompts"] == 4 + 2  # ShareGPT's and its own
-    assert got["train"]["runs"][0]["steps"] == 2
+    assert got["train"]["runs"][0]["steps"] == 2 and got["train"]["runs"][0]["optimizer"] == "adamw"
+    assert got["train"]["runs"][0]["compiles"] == 0  # on a CPU the trainer compiles nothing by default
     assert got["train"]["runs"][0]["ms_per_step"]["verifier"] > 0  # the recipe times its steps by phase
     assert {"prompts", "regenerate", "prepare", "vocab", "train", "eval mt-bench", "eval humaneval"} <= set(
         got["minutes_per_stage"])  # fmt: skip

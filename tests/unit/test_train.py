@@ -291,8 +291,9 @@ def test_compiled_ttt_steps_share_one_graph_and_train_the_same_weights(inputs, t
     monkeypatch.setattr(train_stage, "compile_draft", compile_draft)
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    train(out=str(tmp_path / "compiled"), compile=True, **kw)
+    res = train(out=str(tmp_path / "compiled"), compile=True, **kw)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 2  # with gradients, and without (validation)
+    assert res["compiles"] == 2 and res["compile_seconds"] >= 0  # what the manifest and the summary report
     a, b = _final_state(tmp_path / "eager"), _final_state(tmp_path / "compiled")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)

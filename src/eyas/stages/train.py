@@ -315,6 +315,7 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
     from eyas.core.files import read_json, sha256_json
     from eyas.core.manifest import MANIFEST, StageOutput
     from eyas.draft.model import DraftConfig, Eagle3Draft
+    from eyas.verifier.compile import compile_work
     from eyas.verifier.load import build_text_model, load_head_tensors
     from eyas.verifier.info import check_aux_layer_ids, fingerprint, resolve
 
@@ -500,9 +501,14 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
                   f"{'online' if c.online else 'offline'}, {where}"
                   + (f"; {truncated} row(s) truncated to {c.max_seq_len}" if truncated else "")
                   + (f"; {empty} row(s) without loss tokens skipped" if empty else ""))  # fmt: skip
+        compiled_before = compile_work()
         result = trainer.run()
-        # what the defaults resolved to on this machine (the settings record what was asked for)
-        result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host)
+        # what the defaults resolved to on this machine (the settings record what was asked for), and how often
+        # torch.compile compiled in this run and for how long (the draft's TTT step, the loss, the verifier's
+        # layers online): a shape that compiles again at every step shows as many compiles
+        result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host,
+                      compiles=compile_work()[0] - compiled_before[0],
+                      compile_seconds=round(compile_work()[1] - compiled_before[1], 1))  # fmt: skip
         state = trainer.final_state()
         if result["val"]:  # what the validation tau is an average over (it is not eval's tau: see `covers`)
             result["val"] = {**result["val"], "covers": validation_coverage(rows_val, lengths, counts)}
@@ -520,6 +526,8 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
             if result["val"]:
                 print_summary(result["val"], label="validation", accuracy=accuracy)
                 print(f"  over {val['covers']['what']}")
+            if result["compiles"]:
+                print(f"torch.compile: {result['compiles']} compile(s), {result['compile_seconds']} s")
             print(f"\ndraft written to {out} (speculators format: config.json + model.safetensors); "
                   f"curves in {out / PLOT}, metrics in {out / METRICS}")  # fmt: skip
             if result.get("best"):
