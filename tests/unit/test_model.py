@@ -89,6 +89,7 @@ def test_ttt_equals_inference(variant, cache_attention, monkeypatch):
         ttt = [model.compute_logits(h) for h in model.ttt(ids, aux, ttt_steps=steps)]
         model.attn_implementation = cache_attention  # read by the inference cache only (new_cache)
         assert model.new_cache(batch_size=1, max_len=8).impl == cache_attention
+        assert TTTContext(torch.zeros(1, T, dtype=torch.long), cache_attention).impl == "sdpa"  # TTT: never matmul
         for t in (0, 3, 9, T - 2 - steps):
             inf = _inference_logits(model, ids, aux, t, steps - 1)
             for k in range(steps):

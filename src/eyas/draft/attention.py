@@ -92,7 +92,9 @@ class TTTContext:
         if fixed_steps is not None and fixed_steps > 1 and zeros is None:
             raise ValueError("fixed_steps needs the zero keys that stand for the steps not yet run")
         self.doc_ids = doc_ids
-        self.impl = attn_implementation
+        # "matmul" is decoding's (a few queries against the cache); a whole row's TTT step through it would hold
+        # its fp32 scores, [B, kv, G*T, (k+1)*T]: SDPA's kernels never do
+        self.impl = "sdpa" if attn_implementation == "matmul" else attn_implementation
         self.num_layers = num_layers
         self.fixed_steps = fixed_steps
         self.zeros = zeros
