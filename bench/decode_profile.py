@@ -179,6 +179,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--max-len", type=int, default=0,
+                    help="positions the caches hold (default, and at least: the prompt, the new tokens and a round); "
+                    "eval sizes them to its longest conversation, 986 on MT-Bench at 256 new tokens, and the "
+                    "draft's cache attention reads all of them")  # fmt: skip
     ap.add_argument("--draft-layers", default="1", help="random drafts of these layer counts (comma-separated): "
                     "what a layer more costs a round (train --num-layers)")  # fmt: skip
     ap.add_argument("--batched", default="", help="row counts: profile the batched step instead")
@@ -272,7 +276,8 @@ def main() -> None:
                             on = merge == "on"
                             rows[freeze, merge] = profile_loops(
                                 env, prompt, attention=attention, n=n, K=K, freeze=freezes[freeze], merge=on,
-                                model=merged_model if on else None, draft=merged_draft if on else None)  # fmt: skip
+                                model=merged_model if on else None, draft=merged_draft if on else None,
+                                max_len=args.max_len)  # fmt: skip
                             print(json.dumps({**tag, "freeze": freeze, "merge": merge, **rows[freeze, merge]}),
                                   flush=True)  # fmt: skip
                         if {(freeze, "off"), (freeze, "on")} <= rows.keys():
@@ -323,13 +328,14 @@ def on_off_ratios(off: dict, on: dict, what: str) -> dict:
 
 
 def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None, n: int, K: int,
-                  merge: bool = True, model=None, draft=None) -> dict:  # fmt: skip
+                  merge: bool = True, model=None, draft=None, max_len: int = 0) -> dict:  # fmt: skip
     """One attention's plain step and speculative rounds (round by round and fused), timed and profiled, on
     ``model`` and ``draft`` (default: ``env``'s)."""
     dev = env["device"]
     model, draft = model if model is not None else env["model"], draft if draft is not None else env["draft"]
     row = {"attention": attention, "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "prompt_len": len(prompt), "new_tokens": n, "draft_tokens": K}  # fmt: skip
+           "torch": torch.__version__, "prompt_len": len(prompt), "new_tokens": n, "draft_tokens": K,
+           "max_len": max(max_len, len(prompt) + n + K + 2)}  # fmt: skip
     try:
         if dev.type == "cuda":  # what the build holds on the GPU: caches, graphs, and frozen copies of weights
             import gc
@@ -338,7 +344,7 @@ def profile_loops(env, prompt: list[int], *, attention: str, freeze: bool | None
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(dev)
         t0 = time.perf_counter()
-        r = Runners.build(model, draft, draft_tokens=[K], max_len=len(prompt) + n + K + 2,
+        r = Runners.build(model, draft, draft_tokens=[K], max_len=row["max_len"],
                           attention=attention, fused_rounds=True, freeze=freeze, merge=merge)  # fmt: skip  # both loops' graphs
         row["warmup_s"] = round(time.perf_counter() - t0, 1)
         row["frozen"], row["draft_frozen"] = r.base.graphs.freeze, r.draft.frozen

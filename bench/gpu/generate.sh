@@ -26,8 +26,8 @@
 # or, in one call of at most about 9 minutes (its timeouts) on the random-weight model, what a plain step and a
 # speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
 # with FlexAttention, the draft's cache read by SDPA and by two matmuls around a masked softmax (DRAFT_ATTN;
-# decode_profile.py --draft-attention), and the GPU tests of the speculative loops, the frozen layers and the
-# FlexAttention slot attention:
+# decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does), and the GPU
+# tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # under each inductor setting of INDUCTOR (default: as is; combo kernels, which launch independent small kernels
@@ -103,7 +103,7 @@ if [ "$mode" = merged ]; then
 fi
 if [ "$mode" = rounds ]; then
   run profile timeout 300 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention ${DRAFT_ATTN:-sdpa,matmul}
+    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN}
   run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
     -k "speculative or flex or row_count or frozen"
   collect

@@ -276,8 +276,9 @@ def test_decode_profile_smoke(tmp_path):
     draft layer count and draft-cache attention."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
                         "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--draft-layers", "1,2",
-                        "--draft-attention", "sdpa,matmul"], tmp_path)  # fmt: skip
+                        "--draft-attention", "sdpa,matmul", "--max-len", "300"], tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
+    assert {r["max_len"] for r in rows} == {300}  # the caches sized as eval sizes them to a long conversation
     assert [(r["inductor"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
         (variant, layers, attention)
         for variant in ("default", tuned)
