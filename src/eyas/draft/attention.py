@@ -122,11 +122,15 @@ class TTTContext:
             causal = (same_doc & (idx[None, None, :] <= idx[None, :, None])) | diag  # [B, T, T]
             self._dense = (causal, diag)
         causal, diag = self._dense
-        if self.fixed_steps is None:
-            return torch.cat([causal] + [diag] * k, dim=-1)[:, None]  # [B, 1, T, (k+1)*T]
+        n = self._key_blocks(k)
         earlier = [causal] + [diag] * (k - 1) if k > 0 else []  # blocks 0..k-1: the steps before
-        unseen = [torch.zeros_like(diag)] * (self.fixed_steps - 1 - k)  # blocks k..S-2: zeros
-        return torch.cat([*earlier, *unseen, causal if k == 0 else diag], dim=-1)[:, None]  # [B, 1, T, S*T]
+        unseen = [torch.zeros_like(diag)] * (n - 1 - k) if n - 1 > k else []  # blocks k..n-2 (fixed_steps): zeros
+        return torch.cat([*earlier, *unseen, causal if k == 0 else diag], dim=-1)[:, None]  # [B, 1, T, n*T]
+
+    def _key_blocks(self, k: int) -> int:
+        """How many blocks of T keys step ``k`` attends to: its own last, after the steps before it (and with
+        ``fixed_steps``, the zeros of the steps not yet run)."""
+        return self.fixed_steps or k + 1
 
     def _block_mask(self, k: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -135,26 +139,19 @@ class TTTContext:
             B, T = self.doc_ids.shape
             docs = self.doc_ids
 
-            if self.fixed_steps is None:
+            last = self._key_blocks(k) - 1
+            # the step as a tensor the mask reads, not a constant it is built for: with fixed_steps, one compile
+            # for every step
+            current = torch.full((), k, dtype=torch.long, device=docs.device)
 
-                def mask_mod(b, h, q_idx, kv_idx):
-                    step, s = kv_idx // T, kv_idx % T
-                    causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
-                    return torch.where(step == 0, causal, s == q_idx)
+            def mask_mod(b, h, q_idx, kv_idx):
+                block, s = kv_idx // T, kv_idx % T
+                step = torch.where(block == last, current, block)  # whose keys: the last block is this step's
+                causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
+                # blocks between the earlier steps' and this step's (fixed_steps' zeros) are seen by no query
+                return torch.where(step == 0, causal, s == q_idx) & ((block < current) | (block == last))
 
-                kv_len = (k + 1) * T
-            else:
-                last = self.fixed_steps - 1
-                # the step as a tensor the mask reads, not a constant it is built for: one compile for every step
-                current = torch.full((), k, dtype=torch.long, device=docs.device)
-
-                def mask_mod(b, h, q_idx, kv_idx):
-                    block, s = kv_idx // T, kv_idx % T
-                    step = torch.where(block == last, current, block)  # whose keys: block S-1 is this step's
-                    causal = ((s <= q_idx) & (docs[b, s] == docs[b, q_idx]) & (docs[b, q_idx] >= 0)) | (s == q_idx)
-                    return torch.where(step == 0, causal, s == q_idx) & ((block < current) | (block == last))
-
-                kv_len = self.fixed_steps * T
+            kv_len = (last + 1) * T
             # Compiled, create_block_mask builds the mask block by block in one fused kernel instead of
             # materialising [B, T, (k+1)T] booleans; torch >= 2.11 deprecates its `_compile` flag for this.
             build = _compiled_create_block_mask() if docs.device.type == "cuda" else create_block_mask
