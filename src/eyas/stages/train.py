@@ -506,9 +506,10 @@ def _train(d, c: TrainConfig) -> dict[str, Any]:
         # what the defaults resolved to on this machine (the settings record what was asked for), and how often
         # torch.compile compiled in this run and for how long (the draft's TTT step, the loss, the verifier's
         # layers online): a shape that compiles again at every step shows as many compiles
+        compiled_after = compile_work()
         result.update(working_weights=working, deferred_wgrad=deferred, loader_embeddings=on_host,
-                      compiles=compile_work()[0] - compiled_before[0],
-                      compile_seconds=round(compile_work()[1] - compiled_before[1], 1))  # fmt: skip
+                      compiles=compiled_after[0] - compiled_before[0],
+                      compile_seconds=round(compiled_after[1] - compiled_before[1], 1))  # fmt: skip
         state = trainer.final_state()
         if result["val"]:  # what the validation tau is an average over (it is not eval's tau: see `covers`)
             result["val"] = {**result["val"], "covers": validation_coverage(rows_val, lengths, counts)}
