@@ -163,6 +163,9 @@ def test_gguf_header_reads_what_gguf_reader_reads(tmp_path, alignment):
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
     with pytest.raises(EyasError, match="not.gguf is not a GGUF file"):
         read_gguf_header(tmp_path / "not.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(EyasError, match="empty.gguf is not a GGUF file"):
+        read_gguf_header(tmp_path / "empty.gguf")
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:200])
     with pytest.raises(EyasError, match="cut.gguf is not a readable GGUF file"):
         read_gguf_header(tmp_path / "cut.gguf")

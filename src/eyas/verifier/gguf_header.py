@@ -113,11 +113,11 @@ def read_gguf_header(path: str | Path) -> GGUFHeader | None:
     """The fields and the tensor table of the GGUF file ``path``; None for a file to leave to ``gguf.GGUFReader``
     (big-endian, or a version before 2). Raises :class:`EyasError` naming the file for one that is not GGUF."""
     path = Path(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    try:
-        if bytes(buf[:4]) != _MAGIC:
+    with open(path, "rb") as f:  # before mapping it: an empty file cannot be mapped
+        if f.read(len(_MAGIC)) != _MAGIC:
             raise EyasError(f"{path} is not a GGUF file (it does not begin with b'GGUF')")
+    buf = memoryview(np.memmap(path, dtype=np.uint8, mode="r"))
+    try:
         cur = _Cursor(buf)
         cur.pos = 4
         version = cur.scalar("<I")
