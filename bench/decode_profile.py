@@ -25,6 +25,10 @@ again under that variant's settings (``torch._dynamo.reset()`` between them): e.
 templates, whose epilogues fuse the residual adds and activations that follow a matmul, beat cuBLAS's kernels at
 one row, where a step is bound by its kernel count. Each row names its variant.
 
+With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
+table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
+run eagerly, then compiled with the layers (eyas' default), each row naming which.
+
 With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
 (:class:`eyas.engine.generate.BatchDecoder`): every slot busy at each position ``--live`` lists, one step
 replayed as a graph, timed and profiled per row count and live length: what a step costs as
@@ -70,6 +74,7 @@ from eyas.verifier.load import varying_shape_attention  # noqa: E402
 from eyas.engine.generate import BatchDecoder  # noqa: E402
 from eyas.engine.slots import slot_attention  # noqa: E402
 from eyas.engine.speculative import plain_generate, speculative_generate  # noqa: E402
+from eyas.verifier.compile import OUTER_MODULES as _OUTER  # noqa: E402
 
 
 def kernels(fn, steps: int, top: int = 5) -> dict:
@@ -199,6 +204,8 @@ def main() -> None:
         "sdpa (eval's), matmul (eyas.draft.attention._matmul_attention)",
     )
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
+    ap.add_argument("--outer", default="on", help="off, on, or both (off,on): the verifier's rotary table, final "
+                    "norm and plain step's pick compiled with its layers or run eagerly")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -256,8 +263,9 @@ def main() -> None:
 
     merged_model = to_merge(env["model"])
     merged_draft = to_merge(env["draft"]) if args.draft != "random" else None  # random drafts: one a layer count
-    for variant, settings in inductor_variants(args.inductor):
+    for (variant, settings), outer in itertools.product(inductor_variants(args.inductor), args.outer.split(",")):
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
+        set_outer(outer == "on")
         with torch._inductor.config.patch(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -269,7 +277,8 @@ def main() -> None:
                 ):
                     for d in filter(None, (env["draft"], merged_draft)):  # the cache eval's rounds make reads it
                         d.attn_implementation = draft_attention
-                    tag = {"inductor": variant, "draft_layers": layers, "draft_attention": draft_attention}
+                    tag = {"inductor": variant, "outer": outer, "draft_layers": layers,
+                           "draft_attention": draft_attention}  # fmt: skip
                     rows = {}
                     for freeze in args.freeze.split(","):
                         for merge in merges:
@@ -289,6 +298,16 @@ def main() -> None:
                             print(json.dumps({**tag, "merge": merge,
                                               **on_off_ratios(rows["off", merge], rows["on", merge], "freeze")}),
                                   flush=True)  # fmt: skip
+
+
+def set_outer(on: bool) -> None:
+    """What ``--outer`` compares: the verifier's modules outside its layers (eyas.verifier.compile.OUTER_MODULES)
+    and plain decoding's pick compiled with the layers (eyas' default), or run eagerly."""
+    import eyas.verifier.compile as compile_
+    from eyas.engine.generate import SequenceDecoder
+
+    compile_.OUTER_MODULES = _OUTER if on else ()
+    SequenceDecoder.compile_tail = on
 
 
 def inductor_variants(spec: str) -> list[tuple[str, dict]]:

@@ -30,9 +30,11 @@
 # tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
-# under each inductor setting of INDUCTOR (default: as is; combo kernels, which launch independent small kernels
-# as one, such as a layer's RoPE and key/value writes; Triton GEMM templates, whose epilogues fuse what follows a
-# matmul: bench/decode_profile.py --inductor), then the batched engine on 4,096 ShareGPT first turns:
+# (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (default: as is; combo
+# kernels, which launch independent small kernels as one, such as a layer's RoPE and key/value writes:
+# bench/decode_profile.py --inductor; `max_autotune_gemm=True`, Triton GEMM templates, measured slower at one row),
+# each with the verifier's rotary table, final norm and the step's pick compiled and run eagerly (OUTER,
+# decode_profile.py --outer), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
@@ -82,7 +84,7 @@ if [ "$mode" = batched ]; then
 fi
 if [ "$mode" = autotune ]; then
   run profile timeout 420 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --inductor "${INDUCTOR:-default;combo_kernels=True;max_autotune_gemm=True}"
+    --draft-attention matmul --inductor "${INDUCTOR:-default;combo_kernels=True}" --outer "${OUTER:-off,on}"
   run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
   collect

@@ -273,17 +273,20 @@ def test_eval_speedup_smoke(tmp_path):
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
     profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant,
-    draft layer count and draft-cache attention."""
+    --outer setting and draft layer count, the draft's cache read as eval reads it on CUDA (SDPA's, eval's
+    on CPU, is every CPU eval test's)."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
-                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--draft-layers", "1,2",
-                        "--draft-attention", "sdpa,matmul", "--max-len", "300"], tmp_path)  # fmt: skip
+                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--outer", "off,on",
+                        "--draft-layers", "1,2", "--draft-attention", "matmul", "--max-len", "300"],
+                       tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
     assert {r["max_len"] for r in rows} == {300}  # the caches sized as eval sizes them to a long conversation
-    assert [(r["inductor"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
-        (variant, layers, attention)
+    assert [(r["inductor"], r["outer"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
+        (variant, outer, layers, attention)
         for variant in ("default", tuned)
+        for outer in ("off", "on")
         for layers in (1, 2)
-        for attention in ("sdpa", "matmul")
+        for attention in ("matmul",)
     ]
     for r in rows:
         assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r

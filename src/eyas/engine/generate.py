@@ -37,7 +37,7 @@ from eyas.core.errors import EyasError
 from eyas.core.memory import free_memory
 from eyas.engine.graphs import Graphs, freeze_fits
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
-from eyas.verifier.compile import compile_work, run_dynamic
+from eyas.verifier.compile import COMPILE_OPTIONS, compile_work, run_dynamic
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -65,6 +65,10 @@ class SequenceDecoder:
     0.7 ms of host time on SmolLM2) only where Python runs the forward: eager forwards and graph captures, or
     once for a whole turn inside :meth:`session`; a graph replay needs none of it.
     """
+
+    #: plain decoding's pick and state updates compiled with the layers (bench/decode_profile.py --outer off
+    #: turns it off to measure what it saves)
+    compile_tail: bool = True
 
     def __init__(self, model, *, capacity: int, aux_layer_ids: list[int] | None = None,
                  graph_lengths: Iterable[int] = (1,), cuda_graphs: bool = True,
@@ -102,6 +106,7 @@ class SequenceDecoder:
         self._ring = torch.zeros(self.sync_every, dtype=torch.long, device=self.device)
         self.slots.start = self._at[:, 0]
         self._engaged = False
+        self._advance_compiled = torch.compile(self._advance, dynamic=False, options=dict(COMPILE_OPTIONS))
 
     @property
     def capacity(self) -> int:
@@ -182,6 +187,13 @@ class SequenceDecoder:
         in the ring, advance. The whole step is one CUDA graph per key length."""
         self.slots.begin(1)
         logits = self.model(input_ids=self._tok, position_ids=self._at, use_cache=False).logits[:, -1]  # [1, V]
+        # compiled where the layers are: the pick and the state's updates are then one or two kernels, not six
+        compiled = self.compile_tail and self.graphs.compile_model is not None
+        advance = self._advance_compiled if compiled else self._advance
+        advance(logits, temperature)
+
+    def _advance(self, logits: torch.Tensor, temperature: float) -> None:
+        """The step's tail: pick the next token from ``logits [1, V]``, store it in the ring, feed it next."""
         nxt = pick_tokens(logits, temperature=temperature, seed=self._seed, position=self._at[:, 0] + 1)  # [1]
         self._ring.index_copy_(0, self._at[:, 0] % self.sync_every, nxt)
         self._tok.copy_(nxt[:, None])

@@ -102,6 +102,7 @@ class Slots:
         self._moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._pos: torch.Tensor | None = None
         self.flex_masks: dict[tuple[int, int | None], Any] = {}  # this forward's, by (groups, window): begin()
+        self._constants: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # _arange's, kept across forwards
 
     def flex_runs(self, new: int) -> bool:
         """Whether a rows-layout forward of ``new`` tokens a row attends through FlexAttention."""
@@ -145,8 +146,18 @@ class Slots:
         30-layer model)."""
         if self._pos is None or self._pos.shape != (S, T):
             start = self.start[:S]
-            self._pos = (start[:, None] + torch.arange(T, device=start.device)).clamp(max=self.capacity - 1)
+            self._pos = (start[:, None] + self._arange(T)).clamp(max=self.capacity - 1)
         return self._pos
+
+    def _arange(self, n: int, rows: int = 0, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """``arange(n)`` on the slots' device (with ``rows``, ``[rows, 1, 1, n]`` copies of it), made once: a
+        forward's index tensors that do not depend on the positions are not remade (a kernel or two each) at
+        every decoding step."""
+        key = (n, rows, dtype)
+        if key not in self._constants:
+            t = torch.arange(n, dtype=dtype, device=self.start.device)
+            self._constants[key] = t.repeat(rows, 1, 1, 1) if rows else t
+        return self._constants[key]
 
     def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` on ``device``, copied there at most once per forward (the layers of a device map)."""
@@ -189,11 +200,11 @@ class Slots:
         S = self.num_slots if S is None else S
         key = ("flex", T, window, G, S)
         if key not in self._masks:
-            start, dev = self.start[:S], self.start.device
+            start = self.start[:S]
             n = -(-self.keys // FLEX_BLOCK) * FLEX_BLOCK
             nb = n // FLEX_BLOCK
             live = ((start + T - 1) // FLEX_BLOCK + 1).clamp(1, nb).to(torch.int32)  # [S] blocks a row reads
-            table = torch.arange(nb, dtype=torch.int32, device=dev).repeat(S, 1, 1, 1)  # [S, 1, 1, nb]
+            table = self._arange(nb, S, torch.int32)  # [S, 1, 1, nb]: each row's blocks in order
 
             def mask_mod(b, h, q_idx, kv_idx):
                 p = start[b] + q_idx % T

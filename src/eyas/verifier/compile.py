@@ -73,11 +73,12 @@ def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> C
 def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False) -> Iterator[None]:
     """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
     (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
-    model; PyTorch's "regional compilation" recipe). A decoding forward through FlexAttention compiles with its
-    slot attention inside (the cache writes and the attention fused with the layer; its code does not depend on
-    the position, :func:`eyas.engine.slots._attention`); every other slot attention (SDPA over a key-length
-    bucket, prompts) stays eager, a graph break, so the compiled code does not depend on key lengths and a shape
-    compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
+    model; PyTorch's "regional compilation" recipe), and so do the modules outside the layers that
+    :data:`OUTER_MODULES` names (the rotary table, the final norm), each on its own. A decoding forward through
+    FlexAttention compiles with its slot attention inside (the cache writes and the attention fused with the
+    layer; its code does not depend on the position, :func:`eyas.engine.slots._attention`); every other slot
+    attention (SDPA over a key-length bucket, prompts) stays eager, a graph break, so the compiled code does not
+    depend on key lengths and a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
 
     ``dynamic`` is ``torch.compile``'s: ``False`` specialises every shape (batch size 1 compiles two: one new
     token and the verification's K + 1); ``None`` compiles the first shape as it is and the next ones once
@@ -94,22 +95,39 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     # frozen: a compiled version per layer and shape (a few shapes at batch size 1)
     raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
     name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
+    modules = [*layers, *outer_modules(model)]
     # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
     # put back after the block
-    before = [layer.__dict__.get("forward") for layer in layers]
-    for layer in layers:
-        if name not in layer.__dict__:
-            layer.__dict__[name] = compile_frozen(layer.forward, dynamic=dynamic) if freeze else \
-                torch.compile(layer.forward, dynamic=dynamic, options=dict(COMPILE_OPTIONS))  # fmt: skip
-        layer.forward = layer.__dict__[name]  # an instance attribute: shadows the class's forward
+    before = [m.__dict__.get("forward") for m in modules]
+    for m in modules:
+        if name not in m.__dict__:
+            m.__dict__[name] = compile_frozen(m.forward, dynamic=dynamic) if freeze else \
+                torch.compile(m.forward, dynamic=dynamic, options=dict(COMPILE_OPTIONS))  # fmt: skip
+        m.forward = m.__dict__[name]  # an instance attribute: shadows the class's forward
     try:
         yield
     finally:
-        for layer, forward in zip(layers, before):
+        for m, forward in zip(modules, before):
             if forward is None:
-                layer.__dict__.pop("forward", None)
+                m.__dict__.pop("forward", None)
             else:
-                layer.forward = forward
+                m.forward = forward
+
+
+#: The modules of a decoder stack outside its layers that :func:`compiled_layers` compiles as well, each on its
+#: own: the rotary table (a position's cos and sin, shared by every layer) and the final norm. Why: eagerly they
+#: are about 17 small kernels of a batch-1 decoding step (the table's product, concatenation, cos, sin, scalings
+#: and casts; the norm's square, mean, rsqrt, products and casts), each a launch in a step bound by its launches
+#: (docs/BENCHMARKS.md); compiled, one or two each.
+OUTER_MODULES = ("rotary_emb", "norm")
+
+
+def outer_modules(model) -> list[torch.nn.Module]:
+    """The modules of :data:`OUTER_MODULES` that ``model``'s base model has (their hooks still run: they wrap
+    ``forward``)."""
+    base = model.base_model
+    found = [getattr(base, n, None) for n in OUTER_MODULES]
+    return [m for m in found if isinstance(m, torch.nn.Module) and m is not base]
 
 
 def compile_work() -> tuple[int, float]:
