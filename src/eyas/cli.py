@@ -153,6 +153,11 @@ def _quiet_known_noise() -> None:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # tensorboard's TensorFlow probe
     warnings.filterwarnings("ignore", message=r".*`torch_dtype` is deprecated.*")
+    # inductor's note when a compiled graph holds a float32 matmul with TF32 off: the verifier's rotary table
+    # (positions times inverse frequencies, compiled with its layers: eyas.verifier.compile.OUTER_MODULES) is
+    # one, and stays float32 on purpose: TF32 rounds the inverse frequencies to 10 bits of mantissa, so angles at
+    # position 2,000 would be off by up to tenths of a radian, and every RoPE'd query and key with them
+    warnings.filterwarnings("ignore", message=r"TensorFloat32 tensor cores for float32 matrix multiplication")
 
 
 #: A folder where any command keeps a GGUF verifier's dequantized weights and tokenizer for the next command
