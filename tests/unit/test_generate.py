@@ -418,7 +418,7 @@ def test_flex_decoding_traced_into_the_compiled_layers(make_tiny, name, rows, fr
     # frozen, a version per layer and shape
     n = len(traced)
     assert n >= (2 * layers if freeze else 2) and (freeze or n < layers), n
-    assert len(codes) > n  # the outer modules compiled too
+    assert len(codes) > n  # the rotary table and the final norm compiled too, each on its own
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")  # the eager reference
@@ -448,8 +448,7 @@ def test_flex_decoding_traced_with_symbolic_rows(make_tiny):
     layer = [c for c in codes if "flex_attention" in c]
     assert [c for c in layer if "index_put" in c]
     assert len(layer) <= 3, len(layer)  # 4 rows, then symbolic rows (and one more, a transformers guard at most)
-    # the rotary table and the final norm, compiled on their own: 4 rows, then symbolic rows, each
-    assert 0 < len(codes) - len(layer) <= 4, len(codes) - len(layer)
+    assert len(codes) == len(layer)  # the rotary table and the final norm compiled at fixed shapes only
 
 
 def test_plain_decode_blocks_equal_greedy_generate(make_tiny):

@@ -73,12 +73,13 @@ def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> C
 def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False) -> Iterator[None]:
     """Inside the block, every decoder layer of ``model`` runs its forward through ``torch.compile``
     (regional compilation: the layers share one compiled function, so compiling costs one layer, not the whole
-    model; PyTorch's "regional compilation" recipe), and so do the modules outside the layers that
-    :data:`OUTER_MODULES` names (the rotary table, the final norm), each on its own. A decoding forward through
-    FlexAttention compiles with its slot attention inside (the cache writes and the attention fused with the
-    layer; its code does not depend on the position, :func:`eyas.engine.slots._attention`); every other slot
-    attention (SDPA over a key-length bucket, prompts) stays eager, a graph break, so the compiled code does not
-    depend on key lengths and a shape compiles once. Forward hooks (hidden-state capture) run outside the compiled code.
+    model; PyTorch's "regional compilation" recipe), and at fixed shapes (``dynamic=False``) so do the modules
+    outside the layers that :data:`OUTER_MODULES` names (the rotary table, the final norm), each on its own. A
+    decoding forward through FlexAttention compiles with its slot attention inside (the cache writes and the
+    attention fused with the layer; its code does not depend on the position, :func:`eyas.engine.slots._attention`);
+    every other slot attention (SDPA over a key-length bucket, prompts) stays eager, a graph break, so the
+    compiled code does not depend on key lengths and a shape compiles once. Forward hooks (hidden-state capture)
+    run outside the compiled code.
 
     ``dynamic`` is ``torch.compile``'s: ``False`` specialises every shape (batch size 1 compiles two: one new
     token and the verification's K + 1); ``None`` compiles the first shape as it is and the next ones once
@@ -95,7 +96,10 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     # frozen: a compiled version per layer and shape (a few shapes at batch size 1)
     raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
     name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
-    modules = [*layers, *outer_modules(model)]
+    # the outer modules at fixed shapes only (batch-1 decoding's few graphs, replayed for every token): a forward
+    # of symbolic shapes (a prompt, a batched step) runs them once per forward, where a compile of their own
+    # (about a second each) buys back less than it costs
+    modules = [*layers, *(outer_modules(model) if dynamic is False else [])]
     # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
     # put back after the block
     before = [m.__dict__.get("forward") for m in modules]
