@@ -45,7 +45,7 @@
 # answers without decoding them again: give a later run those parts as SEED (a glob, or the parts in order,
 # quoted) and `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files
 # and settings; any other change reruns them) and starts at prepare: carry them with .carry/smol.part01 (81k
-# prompts' answers: 15 MB of xz beside the GGUF half's 48 MB, inside a call's 64 MiB). Runs kept before that
+# prompts' answers: 17.2 MB of xz beside the GGUF half's 48.4 MB, inside a call's 64 MiB). Runs kept before that
 # format are seeded the same way from their run.tar.gz (SEED_RUN) and regenerated.tgz parts (SEED_DATA).
 set -u
 source "$(dirname "$0")/common.sh"
@@ -129,7 +129,7 @@ tr "\r" "\n" < "$R/run.log" | grep -v "it/s\]$" | tail -n 8 >> "$OUT/status.txt"
 (cd "$R" && tar czf "$OUT/run.tar.gz" --exclude='*.safetensors' --exclude='*.arrow' --exclude='checkpoints' \
    --exclude='tensorboard' --exclude='conversations.jsonl' --exclude='.parts' . 2>/dev/null)
 if [ -n "${KEEP_DATA:-}" ] && [ -e "$R/regenerated/conversations.jsonl" ] && [ ! -e "$R/.data-returned" ]; then
-  Z=gzip; command -v xz > /dev/null && Z="xz -T0 -6"  # xz: 81k prompts and answers in 15 MB, gzip 27.3
+  Z=gzip; command -v xz > /dev/null && Z="xz -T0 -6"  # xz: 81k prompts and answers in 17.2 MB, gzip 27.3
   (cd "$R" && tar cf - $(ls -d prompts 2> /dev/null) regenerated/conversations.jsonl regenerated/manifest.json \
     | $Z) | split -b 15000000 -d - "$OUT/seed.tar." && touch "$R/.data-returned"
   ls -la "$OUT"/seed.tar.* | tee -a "$OUT/status.txt"
