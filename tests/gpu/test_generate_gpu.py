@@ -140,6 +140,7 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
         s2 = plain_generate(eager, p, max_new_tokens=100, eos_ids=set(), temperature=1.0, generator=g2).tokens
         assert s1 == s2
     assert graphed.graphs.enabled and any(k[0] == "decode" for k in graphed.graphs.graphs)
+    assert graphed.graphs.compile_model is not None  # compiled all along: no compiler error sent it to eager
 
 
 def test_frozen_layers_decode_as_eager(make_tiny):

@@ -66,7 +66,7 @@ class SequenceDecoder:
     once for a whole turn inside :meth:`session`; a graph replay needs none of it.
     """
 
-    #: plain decoding's pick and state updates compiled with the layers (bench/decode_profile.py --outer off
+    #: greedy plain decoding's pick and state updates compiled with the layers (bench/decode_profile.py --outer off
     #: turns it off to measure what it saves)
     compile_tail: bool = True
 
@@ -187,8 +187,10 @@ class SequenceDecoder:
         in the ring, advance. The whole step is one CUDA graph per key length."""
         self.slots.begin(1)
         logits = self.model(input_ids=self._tok, position_ids=self._at, use_cache=False).logits[:, -1]  # [1, V]
-        # compiled where the layers are: the pick and the state's updates are then one or two kernels, not six
-        compiled = self.compile_tail and self.graphs.compile_model is not None
+        # greedy, compiled where the layers are: the argmax and the state's updates are then one or two kernels,
+        # not six; sampling stays eager, so a graphed step draws exactly what an eager one does (a compiled
+        # softmax and cumsum may round otherwise, and move a draw that lands on a boundary)
+        compiled = self.compile_tail and temperature == 0 and self.graphs.compile_model is not None
         advance = self._advance_compiled if compiled else self._advance
         advance(logits, temperature)
 
