@@ -97,8 +97,8 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
     name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
     # the outer modules at fixed shapes only (batch-1 decoding's few graphs, replayed for every token): a forward
-    # of symbolic shapes (a prompt, a batched step) runs them once per forward, where a compile of their own
-    # (about a second each) buys back less than it costs
+    # of symbolic shapes (a prompt, a batched step) runs them once among many more kernels, where compiles of
+    # their own would buy back less than they cost
     modules = [*layers, *(outer_modules(model) if dynamic is False else [])]
     # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
     # put back after the block
