@@ -451,6 +451,31 @@ def test_flex_decoding_traced_with_symbolic_rows(make_tiny):
     assert len(codes) == len(layer)  # the rotary table and the final norm compiled at fixed shapes only
 
 
+def test_compiled_greedy_tail_advances_as_eager(make_tiny):
+    """Plain decoding's greedy tail as the graphs compile it (``SequenceDecoder._advance_compiled``, what a CUDA
+    step records): the argmax, the ring write, the next token and the position advance leave the decoder's state
+    as the eager tail does, step after step, across the ring's wrap."""
+    from eyas.engine.generate import SequenceDecoder
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    decs = [SequenceDecoder(model, capacity=64, sync_every=3) for _ in range(2)]
+    logits = torch.randn(7, 1, 500, generator=torch.Generator().manual_seed(0))
+    for d in decs:
+        d._at.fill_(5)
+    from eyas.verifier.compile import compile_work
+
+    before = compile_work()[0]
+    for step in logits:
+        decs[0]._advance(step, 0.0)
+        decs[1]._advance_compiled(step, 0.0)
+        for name in ("_tok", "_at", "_ring"):
+            assert torch.equal(getattr(decs[0], name), getattr(decs[1], name)), name
+    # positions 5..11 fed: the last three wrote ring slots 9 % 3, 10 % 3, 11 % 3 = 0, 1, 2
+    assert decs[1]._at.item() == 12 and decs[1]._ring.tolist() == [int(x.argmax()) for x in logits[-3:]]
+    assert decs[1]._tok.item() == int(logits[-1].argmax())
+    assert compile_work()[0] > before  # compiled, not run eagerly
+
+
 def test_plain_decode_blocks_equal_greedy_generate(make_tiny):
     """eval's plain loop: the step advances its own token and position on the device and the host reads tokens
     in blocks of `sync_every`; answers equal transformers' generate, cut at an end of turn inside a block and
