@@ -456,14 +456,13 @@ def test_compiled_greedy_tail_advances_as_eager(make_tiny):
     step records): the argmax, the ring write, the next token and the position advance leave the decoder's state
     as the eager tail does, step after step, across the ring's wrap."""
     from eyas.engine.generate import SequenceDecoder
+    from eyas.verifier.compile import compile_work
 
     model = build_text_model(resolve(make_tiny("llama").path))
     decs = [SequenceDecoder(model, capacity=64, sync_every=3) for _ in range(2)]
     logits = torch.randn(7, 1, 500, generator=torch.Generator().manual_seed(0))
     for d in decs:
         d._at.fill_(5)
-    from eyas.verifier.compile import compile_work
-
     before = compile_work()[0]
     for step in logits:
         decs[0]._advance(step, 0.0)
