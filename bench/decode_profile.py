@@ -23,7 +23,9 @@ With ``--inductor "default;max_autotune_gemm=True"`` (variants split by ``;``, e
 ``torch._inductor.config`` split by ``,``) each attention and freeze runs once per variant, everything compiled
 again under that variant's settings (``torch._dynamo.reset()`` between them): e.g. whether inductor's Triton GEMM
 templates, whose epilogues fuse the residual adds and activations that follow a matmul, beat cuBLAS's kernels at
-one row, where a step is bound by its kernel count. Each row names its variant.
+one row, where a step is bound by its kernel count. Each row names its variant. A variant's settings apply over
+eyas' own for its fixed-shape compiles too (eyas.verifier.compile.FIXED_SHAPE_OPTIONS): ``default`` is eyas as
+it runs, ``combo_kernels=False`` eyas without inductor's combo kernels.
 
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
@@ -51,6 +53,7 @@ Prints one JSON line per attention implementation (or per row count and live len
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
@@ -266,7 +269,7 @@ def main() -> None:
     for (variant, settings), outer in itertools.product(inductor_variants(args.inductor), args.outer.split(",")):
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         set_outer(outer == "on")
-        with torch._inductor.config.patch(settings):
+        with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
                     env["draft"] = random_draft(env["info"], seed=0, device=env["device"], dtype=env["dtype"],
@@ -308,6 +311,21 @@ def set_outer(on: bool) -> None:
 
     compile_.OUTER_MODULES = _OUTER if on else ()
     SequenceDecoder.compile_tail = on
+
+
+@contextlib.contextmanager
+def fixed_shape_options(settings: dict):
+    """A variant's settings over eyas' own for its fixed-shape compiles (eyas.verifier.compile.FIXED_SHAPE_OPTIONS,
+    which ``torch.compile(options=...)`` applies over the global config the variant patches): ``default`` is
+    eyas' settings, ``combo_kernels=False`` one of them undone."""
+    import eyas.verifier.compile as compile_
+
+    before = compile_.FIXED_SHAPE_OPTIONS
+    compile_.FIXED_SHAPE_OPTIONS = {**before, **settings}
+    try:
+        yield
+    finally:
+        compile_.FIXED_SHAPE_OPTIONS = before
 
 
 def inductor_variants(spec: str) -> list[tuple[str, dict]]:

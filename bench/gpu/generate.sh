@@ -30,9 +30,9 @@
 # tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
-# (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (default: as is; combo
-# kernels, which launch independent small kernels as one, such as a layer's RoPE and key/value writes:
-# bench/decode_profile.py --inductor; `max_autotune_gemm=True`, Triton GEMM templates, measured slower at one row),
+# (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (default: eyas as it
+# runs, and without combo kernels, which launch independent small kernels as one, such as a layer's RoPE and
+# key/value writes: eyas.verifier.compile.FIXED_SHAPE_OPTIONS; bench/decode_profile.py --inductor; `max_autotune_gemm=True`, Triton GEMM templates, measured slower at one row),
 # each with the verifier's rotary table, final norm and the step's pick compiled and run eagerly (OUTER,
 # decode_profile.py --outer), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
@@ -84,7 +84,7 @@ if [ "$mode" = batched ]; then
 fi
 if [ "$mode" = autotune ]; then
   run profile timeout 420 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention matmul --inductor "${INDUCTOR:-default;combo_kernels=True}" --outer "${OUTER:-off,on}"
+    --draft-attention matmul --inductor "${INDUCTOR:-combo_kernels=False;default}" --outer "${OUTER:-off,on}"
   run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
   collect

@@ -37,7 +37,7 @@ from eyas.core.errors import EyasError
 from eyas.core.memory import free_memory
 from eyas.engine.graphs import Graphs, freeze_fits
 from eyas.engine.slots import Slots, layer_shapes, slot_attention
-from eyas.verifier.compile import COMPILE_OPTIONS, compile_work, run_dynamic
+from eyas.verifier.compile import compile_options, compile_work, run_dynamic
 
 
 # --------------------------------------------------------------------------- one sequence (eval)
@@ -106,7 +106,7 @@ class SequenceDecoder:
         self._ring = torch.zeros(self.sync_every, dtype=torch.long, device=self.device)
         self.slots.start = self._at[:, 0]
         self._engaged = False
-        self._advance_compiled = torch.compile(self._advance, dynamic=False, options=dict(COMPILE_OPTIONS))
+        self._advance_compiled = torch.compile(self._advance, dynamic=False, options=compile_options(False))
 
     @property
     def capacity(self) -> int:

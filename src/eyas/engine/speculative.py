@@ -113,7 +113,7 @@ class DraftRunner:
     def __init__(self, draft: Eagle3Draft, *, graph_max_tokens: int = 0, cuda_graphs: bool = True,
                  compile: bool = False, freeze: bool = False, merge: bool = True) -> None:  # fmt: skip
         from eyas.engine.graphs import Graphs
-        from eyas.verifier.compile import COMPILE_OPTIONS, compile_frozen, raise_recompile_limit
+        from eyas.verifier.compile import compile_frozen, compile_options, raise_recompile_limit
         from eyas.verifier.merged import merge_projections
 
         self.draft = draft
@@ -132,7 +132,7 @@ class DraftRunner:
             if merge:  # its layers' q/k/v and gate/up one matmul each (eyas.verifier.merged)
                 merge_projections(draft)
             self._compiled = compile_frozen(self._forward) if freeze else \
-                torch.compile(self._forward, dynamic=False, options=dict(COMPILE_OPTIONS))  # fmt: skip
+                torch.compile(self._forward, dynamic=False, options=compile_options(False))  # fmt: skip
         self.frozen = compile and freeze
 
     def reset(self, max_len: int) -> None:

@@ -30,9 +30,23 @@ def raise_recompile_limit(limit: int = 64) -> None:
 #: :mod:`eyas.verifier.merged`)
 COMPILE_OPTIONS = {"post_grad_custom_pre_pass": SAME_MATMUL_ONCE}
 
+#: inductor's settings for a compile at fixed shapes (batch-1 decoding: the verifier's layers and outer modules,
+#: the draft's forward, the step's sampling): :data:`COMPILE_OPTIONS` and inductor's combo kernels, which launch
+#: independent kernels of a graph (a layer's k and v cache writes, the rotary table's cos and sin) as one.
+#: Why: a batch-1 step is bound by its launches, not by its bytes (docs/BENCHMARKS.md); on one H100 they took a
+#: plain SmolLM2 step from 1.20 to 1.12 ms and a K=3 round from 1.70 to 1.64 ms (bench/gpu/generate.sh
+#: autotune). Not for symbolic shapes (a batched step, a prompt), where a launch is a small part of the step.
+FIXED_SHAPE_OPTIONS = {**COMPILE_OPTIONS, "combo_kernels": True}
+
 #: inductor's settings for a frozen compile (:func:`compiled_layers`' ``freeze``): parameters become constants of
 #: the compiled graph, and on CPU matmuls sharing an input may be concatenated too (on CUDA they always may).
 FREEZE_OPTIONS = {"freezing": True, "cpp.enable_concat_linear": True, **COMPILE_OPTIONS}
+
+
+def compile_options(dynamic: bool | None) -> dict:
+    """Inductor's settings for a compile of ``torch.compile``'s ``dynamic``: :data:`FIXED_SHAPE_OPTIONS` at fixed
+    shapes (``False``), else :data:`COMPILE_OPTIONS`."""
+    return dict(FIXED_SHAPE_OPTIONS if dynamic is False else COMPILE_OPTIONS)
 
 
 def compile_frozen(fn: Callable[..., Any], *, dynamic: bool | None = False) -> Callable[..., Any]:
@@ -106,7 +120,7 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     for m in modules:
         if name not in m.__dict__:
             m.__dict__[name] = compile_frozen(m.forward, dynamic=dynamic) if freeze else \
-                torch.compile(m.forward, dynamic=dynamic, options=dict(COMPILE_OPTIONS))  # fmt: skip
+                torch.compile(m.forward, dynamic=dynamic, options=compile_options(dynamic))  # fmt: skip
         m.forward = m.__dict__[name]  # an instance attribute: shadows the class's forward
     try:
         yield
