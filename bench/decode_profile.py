@@ -27,6 +27,10 @@ one row, where a step is bound by its kernel count. Each row names its variant. 
 eyas' own for its fixed-shape compiles too (eyas.verifier.compile.FIXED_SHAPE_OPTIONS): ``default`` is eyas as
 it runs, ``combo_kernels=False`` eyas without inductor's combo kernels.
 
+With ``--blas default,cublaslt`` each variant runs once per BLAS library of its matmuls
+(``torch.backends.cuda.preferred_blas_library``): whether cuBLASLt's heuristics pick faster kernels than
+cuBLAS' for a one-row GEMM, about half of a step's GPU time at batch 1 (docs/BENCHMARKS.md).
+
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
 run eagerly, then compiled with the layers (eyas' default), each row naming which.
@@ -209,6 +213,8 @@ def main() -> None:
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
     ap.add_argument("--outer", default="on", help="off, on, or both (off,on): the verifier's rotary table, final "
                     "norm and plain step's pick compiled with its layers or run eagerly")  # fmt: skip
+    ap.add_argument("--blas", default="default", help="the BLAS library of the matmuls (comma-separated): default "
+                    "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -266,8 +272,25 @@ def main() -> None:
 
     merged_model = to_merge(env["model"])
     merged_draft = to_merge(env["draft"]) if args.draft != "random" else None  # random drafts: one a layer count
-    for (variant, settings), outer in itertools.product(inductor_variants(args.inductor), args.outer.split(",")):
+    blas_default = torch.backends.cuda.preferred_blas_library().name.lower()  # "cublas" on CUDA builds
+    for (variant, settings), outer, blas in itertools.product(inductor_variants(args.inductor), args.outer.split(","),
+                                                              args.blas.split(",")):  # fmt: skip
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
+        try:  # a setting this torch does not have is one row saying so, not the end of the others
+            with torch._inductor.config.patch(settings):
+                pass
+        except Exception as e:
+            print(json.dumps({"inductor": variant, "error": f"{type(e).__name__}: {e}"}), flush=True)
+            continue
+        # a matmul's library is picked when it runs, not when it compiles (at::cuda::blas::gemm); graphs recorded
+        # under another library are recorded again (profile_loops builds its loops anew)
+        want = blas_default if blas == "default" else blas.lower()
+        if torch.backends.cuda.preferred_blas_library().name.lower() != want:
+            try:
+                torch.backends.cuda.preferred_blas_library(want)
+            except RuntimeError as e:  # a library this build lacks (cuBLASLt on a CPU build)
+                print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
+                continue
         set_outer(outer == "on")
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
@@ -280,7 +303,7 @@ def main() -> None:
                 ):
                     for d in filter(None, (env["draft"], merged_draft)):  # the cache eval's rounds make reads it
                         d.attn_implementation = draft_attention
-                    tag = {"inductor": variant, "outer": outer, "draft_layers": layers,
+                    tag = {"inductor": variant, "outer": outer, "blas": blas, "draft_layers": layers,
                            "draft_attention": draft_attention}  # fmt: skip
                     rows = {}
                     for freeze in args.freeze.split(","):

@@ -30,11 +30,13 @@
 # tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
-# (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (default: eyas as it
-# runs, and without combo kernels, which launch independent small kernels as one, such as a layer's RoPE and
-# key/value writes: eyas.verifier.compile.FIXED_SHAPE_OPTIONS; bench/decode_profile.py --inductor; `max_autotune_gemm=True`, Triton GEMM templates, measured slower at one row),
-# each with the verifier's rotary table, final norm and the step's pick compiled and run eagerly (OUTER,
-# decode_profile.py --outer), then the batched engine on 4,096 ShareGPT first turns:
+# (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py
+# --inductor; default: eyas as it runs, with Programmatic Dependent Launch, where a Triton kernel starts while the
+# one before it ends, and with coordinate-descent tuning of each generated kernel's block sizes; combo kernels,
+# eyas' own, are undone with `combo_kernels=False`; `max_autotune_gemm=True`, Triton GEMM templates, measured
+# slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py --blas) and the
+# verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly; decode_profile.py
+# --outer), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
@@ -84,7 +86,8 @@ if [ "$mode" = batched ]; then
 fi
 if [ "$mode" = autotune ]; then
   run profile timeout 420 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention matmul --inductor "${INDUCTOR:-combo_kernels=False;default}" --outer "${OUTER:-off,on}"
+    --draft-attention matmul --inductor "${INDUCTOR:-default;triton.enable_pdl=True;coordinate_descent_tuning=True}" \
+    --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}"
   run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
   collect

@@ -294,10 +294,19 @@ def test_decode_profile_smoke(tmp_path):
     --outer setting and draft layer count, the draft's cache read as eval reads it on CUDA (SDPA's, eval's
     on CPU, is every CPU eval test's)."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
-                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True", "--outer", "off,on",
-                        "--draft-layers", "1,2", "--draft-attention", "matmul", "--max-len", "300"],
+                        "default;max_autotune_gemm=True,coordinate_descent_tuning=True;no_such_setting=1",
+                        "--outer", "off,on", "--blas", "default,cublaslt", "--draft-layers", "1,2",
+                        "--draft-attention", "matmul", "--max-len", "300"],
                        tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
+    # a setting this torch lacks, and a BLAS library this build lacks: one row each saying so, the rest measured
+    errors = [r for r in rows if "error" in r]
+    assert {(r["inductor"], r.get("blas")) for r in errors} == {
+        ("no_such_setting=1", None),
+        ("default", "cublaslt"),
+        (tuned, "cublaslt"),
+    }, errors
+    rows = [r for r in rows if "error" not in r]
     assert {r["max_len"] for r in rows} == {300}  # the caches sized as eval sizes them to a long conversation
     assert [(r["inductor"], r["outer"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
         (variant, outer, layers, attention)
