@@ -32,9 +32,9 @@
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py
 # --inductor; default: eyas as it runs, with Programmatic Dependent Launch, where a Triton kernel starts while the
-# one before it ends, and with coordinate-descent tuning of each generated kernel's block sizes; combo kernels,
-# eyas' own, are undone with `combo_kernels=False`; `max_autotune_gemm=True`, Triton GEMM templates, measured
-# slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py --blas) and the
+# one before it ends, with coordinate-descent tuning of each generated kernel's block sizes, and with both; combo
+# kernels, eyas' own, are undone with `combo_kernels=False`; `max_autotune_gemm=True`, Triton GEMM templates,
+# measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py --blas) and the
 # verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly; decode_profile.py
 # --outer), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
@@ -85,8 +85,12 @@ if [ "$mode" = batched ]; then
   exit 0
 fi
 if [ "$mode" = autotune ]; then
+  # coordinate-descent tuning also turns a one-row matmul into a Triton reduction that fuses with the work
+  # around it (torch/_inductor/decomposition.py, mm; gpt-fast decodes so), where cuBLAS launches a GEMM alone
+  TUNE="default;triton.enable_pdl=True;coordinate_descent_tuning=True"
+  TUNE="$TUNE;triton.enable_pdl=True,coordinate_descent_tuning=True"
   run profile timeout 420 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention matmul --inductor "${INDUCTOR:-default;triton.enable_pdl=True;coordinate_descent_tuning=True}" \
+    --draft-attention matmul --inductor "${INDUCTOR:-$TUNE}" \
     --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}"
   run regen_4096 timeout 150 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
