@@ -34,9 +34,9 @@
 # --inductor; default: eyas as it runs, with Programmatic Dependent Launch, where a Triton kernel starts while the
 # one before it ends, with coordinate-descent tuning of each generated kernel's block sizes, and with both; combo
 # kernels, eyas' own, are undone with `combo_kernels=False`; `max_autotune_gemm=True`, Triton GEMM templates,
-# measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py --blas) and the
-# verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly; decode_profile.py
-# --outer), then the batched engine on 4,096 ShareGPT first turns:
+# measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py
+# --blas) and the verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly;
+# decode_profile.py --outer), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
