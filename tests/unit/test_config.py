@@ -224,7 +224,7 @@ RECORDED = {
     "extract": {"dtype", "shard_tokens"},
     "train": {"online", "epochs", "lr", "max_seq_len", "batch_tokens", "grad_accum", "ttt_steps", "step_loss_decay",
               "val_ratio", "warmup_steps", "schedule", "weight_decay", "clip", "seed", "optimizer", "freeze_lm_head",
-              "drop_out_of_vocab", "full_vocab_accuracy", "dist", "verifier_name", "max_steps"},
+              "drop_out_of_vocab", "aligned_loss", "full_vocab_accuracy", "dist", "verifier_name", "max_steps"},
     "export": {"format", "from_format", "verifier_name", "speculative_tokens", "include_embeddings", "dtype"},
 }  # fmt: skip
 
@@ -232,7 +232,7 @@ RECORDED = {
 #: of those, the settings recorded only at another value than their default (``recorded="when set"``): options
 #: added after outputs were made, which stay up to date
 WHEN_SET = {"prompts": {"topics": ["math"]}, "regenerate": {"loop_copies": 3, "after_cut": "continue"},
-            "prepare": {"loop_tails": "unscored"}}  # fmt: skip
+            "prepare": {"loop_tails": "unscored"}, "train": {"aligned_loss": True}}  # fmt: skip
 
 
 @pytest.mark.parametrize("stage", list(RECORDED))

@@ -21,8 +21,9 @@ from eyas.training.loss import (
 )
 
 
-def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
-    """Full logits, log_softmax and KL written out; the shifts done with explicit loops."""
+def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop, aligned=False):
+    """Full logits, log_softmax and KL written out; the shifts done with explicit loops. ``aligned``: a step's
+    loss only where every earlier step's argmax was the target (GRIFFIN's mask)."""
     S, M = valid.shape
     loss = 0.0
     stats = []
@@ -35,7 +36,7 @@ def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
         iv = torch.stack([in_vocab[i + 1 + k] for i in range(M)])
         ta = torch.stack([tgt_argmax[i + 1 + k] for i in range(M)])
         kept = valid[k] & iv if drop else valid[k]
-        loss = loss + (kl * kept * scale[k]).sum()
+        loss = loss + (kl * (kept & prev if aligned else kept) * scale[k]).sum()
         correct = (logits.argmax(-1) == ta) & iv
         cond = valid[k] & prev
         stats.append([(kl * kept).sum().detach(), kept.sum(), valid[k].sum(), (correct & valid[k]).sum(), (correct & cond).sum(),
@@ -44,15 +45,16 @@ def _reference(normed, W, tlogits, valid, scale, in_vocab, tgt_argmax, drop):
     return loss, torch.tensor([[float(x) for x in row] for row in stats], dtype=torch.float64)
 
 
-def _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, **loss_kw):
+def _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, aligned=False, **loss_kw):
     """ttt_loss (loss, statistics, gradients) against :func:`_reference` in fp64; returns (stats, gradients)."""
     loss, stats = ttt_loss(normed, W, Targets(tlogits, tlogits.argmax(-1), in_vocab), valid, scale,
-                           drop_out_of_vocab=drop, compute_dtype=torch.float64, **loss_kw)  # fmt: skip
+                           drop_out_of_vocab=drop, compute_dtype=torch.float64, aligned=aligned,
+                           **loss_kw)  # fmt: skip
     loss.backward()
     got = [W.grad.clone()] + [h.grad.clone() for h in normed]
     for t in [W, *normed]:
         t.grad = None
-    ref_loss, ref_stats = _reference(normed, W, tlogits, valid, scale, in_vocab, tlogits.argmax(-1), drop)
+    ref_loss, ref_stats = _reference(normed, W, tlogits, valid, scale, in_vocab, tlogits.argmax(-1), drop, aligned)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stats.double(), ref_stats, rtol=1e-12, atol=1e-12)
@@ -61,8 +63,8 @@ def _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, *
     return ref_stats, got, ref_loss
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_fused_loss_equals_reference_value_and_grads(drop):
+@pytest.mark.parametrize("drop, aligned", [(False, False), (True, False), (False, True), (True, True)])
+def test_fused_loss_equals_reference_value_and_grads(drop, aligned):
     torch.manual_seed(0)
     S, M, H, N = 3, 23, 8, 11
     W = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
@@ -76,18 +78,23 @@ def test_fused_loss_equals_reference_value_and_grads(drop):
     with torch.no_grad():
         normed[0][:10] = W[tlogits[1:11].argmax(-1)] * 5
 
-    ref_stats, _, ref_loss = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, chunk_tokens=5)
+    ref_stats, got, ref_loss = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, aligned,
+                                                        chunk_tokens=5)  # fmt: skip
     assert ref_stats[0, 3] > 0 and ref_stats[0, 4] > 0  # the accuracy path was exercised
+    if aligned:  # a later step's gradient reaches only positions whose first step drew its target
+        drew = (normed[0].detach() @ W.detach().t()).argmax(-1) == tlogits[1 : M + 1].argmax(-1)
+        drew &= in_vocab[1 : M + 1]
+        assert 0 < int(drew.sum()) < M and not got[2][~drew].any() and got[2][drew & valid[1]].any()
 
     with torch.no_grad():  # no gradient is formed (or needed) without autograd
         loss2, stats2 = ttt_loss(normed, W, targets, valid, scale, drop_out_of_vocab=drop,
-                                 compute_dtype=torch.float64, chunk_tokens=7)  # fmt: skip
+                                 compute_dtype=torch.float64, chunk_tokens=7, aligned=aligned)  # fmt: skip
     torch.testing.assert_close(loss2, ref_loss.detach())
     torch.testing.assert_close(stats2.double(), ref_stats, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_fused_loss_on_scored_rows_equals_reference(drop):
+@pytest.mark.parametrize("drop, aligned", [(False, False), (True, False), (False, True)])
+def test_fused_loss_on_scored_rows_equals_reference(drop, aligned):
     """Scoring only the positions some step scores (prompts and padding skipped) gives the reference's loss,
     statistics and gradients, every position's included (zero where nothing is scored)."""
     torch.manual_seed(2)
@@ -111,8 +118,8 @@ def test_fused_loss_on_scored_rows_equals_reference(drop):
         normed[0][:] = W[tlogits[1 : M + 1].argmax(-1)] * 5
         normed[1][::2] = W[tlogits[2 : M + 2 : 2].argmax(-1)] * 5
     scale = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)
-    ref_stats, got, _ = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, chunk_tokens=5,
-                                                 rows=rows)  # fmt: skip
+    ref_stats, got, _ = _check_against_reference(normed, W, tlogits, valid, scale, in_vocab, drop, aligned,
+                                                 chunk_tokens=5, rows=rows)  # fmt: skip
     assert ref_stats[1, 4] > 0 and ref_stats[1, 5] > ref_stats[1, 4]  # conditional accuracy read earlier steps
     for h in got[1:]:  # nothing reaches a position no step scores
         assert not h[~valid.any(0)].any()

@@ -253,6 +253,19 @@ def test_gradient_checkpointing_and_frozen_head_train_the_same_weights(inputs, t
     assert torch.equal(written["lm_head.weight"], rows.to(written["lm_head.weight"].dtype))
 
 
+def test_aligned_loss_is_recorded_and_trains_other_weights(inputs, tmp_path):
+    """--aligned-loss reaches the loss (the run's weights differ from the plain run's from the same start) and is
+    a recorded setting only when set, so drafts trained before it existed stay up to date."""
+    kw = dict(verifier=inputs["verifier"], vocab=inputs["vocab"], data=inputs["features"], epochs=1, max_steps=3,
+              val_ratio=0.0, lr=3e-3, **COMMON)  # fmt: skip
+    train(out=str(tmp_path / "plain"), **kw)
+    train(out=str(tmp_path / "aligned"), aligned_loss=True, **kw)
+    settings = {n: json.loads((tmp_path / n / "manifest.json").read_text())["settings"] for n in ("plain", "aligned")}
+    assert "aligned_loss" not in settings["plain"] and settings["aligned"]["aligned_loss"] is True
+    a, b = _final_state(tmp_path / "plain"), _final_state(tmp_path / "aligned")
+    assert not torch.equal(a["draft.layers.0.self_attn.q_proj.weight"], b["draft.layers.0.self_attn.q_proj.weight"])
+
+
 def test_deferred_weight_gradients_train_the_same_weights(inputs, tmp_path):
     """Deferred weight gradients (the default: each layer weight's gradient summed over the TTT steps by its
     matmuls, handed to autograd once) train the weights of the per-use run (--no-deferred-wgrad), over steps with

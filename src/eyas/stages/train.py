@@ -123,6 +123,13 @@ class TrainConfig(StageConfig):
         help="no loss where the verifier's full-vocab argmax is outside the draft "
         "vocab (EAGLE's choice; needs --full-vocab-accuracy).",
     )
+    aligned_loss: bool = option(
+        False,
+        recorded="when set",
+        help="TTT step k carries loss only where the draft drew the verifier's token at every step before it "
+        "(GRIFFIN's token-alignable training, top-1 for a chain): decoding never reaches step k past a rejected "
+        "draft, so the step stops learning from states it is never fed.",
+    )
     full_vocab_accuracy: bool = option(
         True,
         help="score accuracy against the verifier's full-vocab argmax (costs one "

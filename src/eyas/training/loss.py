@@ -213,12 +213,18 @@ class _FusedTTTLoss(torch.autograd.Function):
     """Sum over steps and positions of ``weight * KL``, with the gradient computed chunk by chunk in forward.
 
     With ``rows`` (:func:`scored_rows`) only those positions are scored: the head, the softmax passes and the
-    gradient run on them alone, and every other position gets zero gradient, zero KL and argmax -1."""
+    gradient run on them alone, and every other position gets zero gradient, zero KL and argmax -1.
+
+    With ``align`` (``[S, M]`` long: each step's target token in draft ids, -2 where it is outside the draft vocab)
+    step ``k`` weighs only the positions where every step before it drew its target (:func:`ttt_loss`'s
+    ``aligned``): the weights of a step are known only once the steps before it have been scored, which they
+    are here, in step order."""
 
     @staticmethod
-    def forward(ctx, lm_head_weight, target_logits, weights, compute_dtype, chunk, compiled, grad, rows, *normed):
+    def forward(ctx, lm_head_weight, target_logits, weights, compute_dtype, chunk, compiled, grad, rows, align,
+                *normed):  # fmt: skip
         need_w = grad and ctx.needs_input_grad[0]
-        need_h = grad and any(ctx.needs_input_grad[8:])
+        need_h = grad and any(ctx.needs_input_grad[_NORMED_AT:])
         W = lm_head_weight.to(compute_dtype)  # [N, H]
         Wt = W.t()  # [H, N]
         acc = torch.promote_types(compute_dtype, torch.float32)
@@ -229,11 +235,15 @@ class _FusedTTTLoss(torch.autograd.Function):
         if rows is not None:  # the scored positions, then pad rows M, M+1, ... (past the end, weight 0)
             take = rows.clamp(max=M - 1)  # [R]: gathers; a pad row reads position M - 1 and adds nothing
             w = F.pad(weights, (0, chunk))[:, rows]  # [S, R]: a pad row's weight is an appended 0
+            align = align[:, take] if align is not None else None  # [S, R]
+        alive = None  # [M] or [R] bool: every step so far drew its target (with align)
+        loss = torch.zeros((), dtype=acc, device=W.device)
         grads_h, kls, argmaxes = [], [], []
         for k, h in enumerate(normed):
             if rows is not None:
                 h = h.index_select(0, take)  # [R, H]
             R = h.shape[0]
+            wk = w[k] if alive is None else w[k] * alive  # [R]
             kl = torch.empty(R, dtype=acc, device=h.device)
             am = torch.empty(R, dtype=torch.long, device=h.device)
             gh = torch.empty(h.shape, dtype=compute_dtype, device=h.device) if need_h else None
@@ -242,11 +252,15 @@ class _FusedTTTLoss(torch.autograd.Function):
                 hc = h[a:b].to(compute_dtype)  # [C, H]
                 # step k at index t is scored against the verifier's distribution at index t+1+k
                 tc = target_logits[a + 1 + k : b + 1 + k] if rows is None else target_logits[take[a:b] + 1 + k]
-                g, kl[a:b], am[a:b] = fn(hc @ Wt, tc, w[k, a:b])
+                g, kl[a:b], am[a:b] = fn(hc @ Wt, tc, wk[a:b])
                 if gh is not None:
                     torch.mm(g, W, out=gh[a:b])  # [C, H], written in place (rows of a contiguous buffer)
                 if grad_w is not None:
                     add_matmul(grad_w, g.t(), hc)  # [N, H]
+            loss += (kl * wk).sum()
+            if align is not None:  # the next step weighs the positions this one (and every one before) drew
+                drew = am == align[k]
+                alive = drew if alive is None else alive & drew
             if rows is not None:  # back to every position (distinct indices); the pad rows land past M, dropped
                 kl = kl.new_zeros(M + chunk).index_copy_(0, rows, kl)[:M]
                 am = am.new_full((M + chunk,), -1).index_copy_(0, rows, am)[:M]
@@ -256,7 +270,6 @@ class _FusedTTTLoss(torch.autograd.Function):
             kls.append(kl)
             argmaxes.append(am)
         kl_all, am_all = torch.stack(kls), torch.stack(argmaxes)  # [S, M]
-        loss = (kl_all * weights).sum()
         ctx.save_for_backward(*(g for g in grads_h if g is not None), *([grad_w] if grad_w is not None else []))
         ctx.has = (need_h, need_w)
         ctx.mark_non_differentiable(kl_all, am_all)
@@ -267,9 +280,13 @@ class _FusedTTTLoss(torch.autograd.Function):
         need_h, need_w = ctx.has
         saved = list(ctx.saved_tensors)
         grad_w = saved.pop() * grad_loss if need_w else None
-        n = len(ctx.needs_input_grad) - 8
+        n = len(ctx.needs_input_grad) - _NORMED_AT
         grads_h = [g * grad_loss for g in saved] if need_h else [None] * n
-        return (grad_w, None, None, None, None, None, None, None, *grads_h)
+        return (grad_w, *[None] * (_NORMED_AT - 1), *grads_h)
+
+
+#: where the per-step normed states begin among :meth:`_FusedTTTLoss.forward`'s inputs
+_NORMED_AT = 9
 
 
 def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor:
@@ -334,8 +351,8 @@ def target_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, ttt_steps: int) 
 
 def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targets: Targets, valid: torch.Tensor,
              scale: torch.Tensor, *, drop_out_of_vocab: bool = False, compute_dtype: torch.dtype = torch.float32,
-             chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False,
-             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             chunk_tokens: int = CHUNK_TOKENS, compiled: bool = False, rows: torch.Tensor | None = None,
+             aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The TTT loss of one micro-batch and its per-step statistics.
 
     ``normed``: per step the draft's normed output ``[M, H]`` (flattened
@@ -347,6 +364,14 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
     ``rows`` (:func:`scored_rows`, built with ``chunk_tokens``): score only
     those positions; the loss, statistics and gradients are the same.
 
+    ``aligned`` (GRIFFIN's token-alignable training, Hu et al. 2025, arXiv:2502.11018, section 3.2, here for a
+    chain: its top-1): step ``k`` carries loss only at positions where the draft's argmax was the verifier's token
+    at every step before it. Decoding never reaches step ``k`` of a round whose earlier draft was rejected, so
+    elsewhere step ``k`` learns from states (its own hidden state after a wrong token) it is never fed. The
+    scale stays the step's whole count: a step's loss is the mean over positions of KL times "the chain got
+    here", which weighs each step by how often decoding uses it. The statistics are unchanged (the conditional
+    accuracy already counts only those positions).
+
     Returns ``(loss, stats [S, 6])``, the columns in :data:`STAT_COLUMNS` (sums).
     """
     S, M = len(normed), valid.shape[1]
@@ -355,9 +380,12 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
     tgt = targets.argmax.unfold(0, M, 1)[1 : 1 + S]  # [S, M]
     kept = valid & in_vocab if drop_out_of_vocab else valid
     weights = kept.float() * scale[:, None]  # [S, M]
+    # each step's target as the draft's argmax must read it to be right: outside the draft vocab, never (-2)
+    align = tgt.masked_fill(~in_vocab, -2) if aligned else None  # [S, M]
     # the gradient is formed in forward only when a backward can follow (not under no_grad, as in validation)
     loss, kl, draft_argmax = _FusedTTTLoss.apply(lm_head_weight, targets.logits, weights, compute_dtype,
-                                                 chunk_tokens, compiled, torch.is_grad_enabled(), rows, *normed)  # fmt: skip
+                                                 chunk_tokens, compiled, torch.is_grad_enabled(), rows, align,
+                                                 *normed)  # fmt: skip
     correct = (draft_argmax == tgt) & in_vocab  # [S, M]
     # conditional on every earlier step being right: an exclusive running AND of `correct` over the steps
     earlier_right = torch.cat([torch.ones_like(correct[:1]), correct[:-1].cummin(0).values])  # [S, M]

@@ -54,10 +54,11 @@ class TTTObjective(nn.Module):
 
     def __init__(self, draft, *, ttt_steps: int, step_weights: list[float], drop_out_of_vocab: bool,
                  compute_dtype: torch.dtype, compiled: bool, chunk_tokens: int = CHUNK_TOKENS,
-                 deferred_wgrad: bool = False) -> None:  # fmt: skip
+                 deferred_wgrad: bool = False, aligned: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.draft = draft
         self.ttt_steps, self.drop, self.compute_dtype = ttt_steps, drop_out_of_vocab, compute_dtype
+        self.aligned = aligned  # ttt_loss' aligned (--aligned-loss)
         self.compiled, self.chunk_tokens, self.deferred_wgrad = compiled, chunk_tokens, deferred_wgrad
         self.register_buffer("step_weights", torch.tensor(step_weights, dtype=torch.float64), persistent=False)
 
@@ -77,7 +78,8 @@ class TTTObjective(nn.Module):
         targets = Targets(target_logits, target_argmax, in_vocab)
         return ttt_loss([h.flatten(0, 1) for h in normed], self.draft.lm_head.weight, targets, valid, scale,
                         drop_out_of_vocab=self.drop, compute_dtype=self.compute_dtype,
-                        chunk_tokens=self.chunk_tokens, compiled=self.compiled, rows=scored_rows)  # fmt: skip
+                        chunk_tokens=self.chunk_tokens, compiled=self.compiled, rows=scored_rows,
+                        aligned=self.aligned)  # fmt: skip
 
 
 def read_best(out: str | os.PathLike) -> dict[str, Any] | None:
@@ -179,9 +181,9 @@ class Trainer:
     ``c`` is the train stage's config (:class:`eyas.stages.train.TrainConfig`, a stage above this package): the
     trainer reads its hyperparameters and run controls from it (``epochs``, ``lr``, ``max_seq_len``,
     ``batch_tokens``, ``grad_accum``, ``ttt_steps``, ``step_loss_decay``, ``warmup_steps``, ``schedule``,
-    ``weight_decay``, ``clip``, ``seed``, ``optimizer``, ``drop_out_of_vocab``, ``dist``, ``num_workers``,
-    ``save_every``, ``keep_checkpoints``, ``log_every``, ``max_steps``, ``profile_every``, ``loss_chunk_tokens``,
-    ``out``). What the stage resolved on this machine comes beside it: ``compiled`` and ``deferred_wgrad``."""
+    ``weight_decay``, ``clip``, ``seed``, ``optimizer``, ``drop_out_of_vocab``, ``aligned_loss``, ``dist``,
+    ``num_workers``, ``save_every``, ``keep_checkpoints``, ``log_every``, ``max_steps``, ``profile_every``,
+    ``loss_chunk_tokens``, ``out``). What the stage resolved on this machine comes beside it: ``compiled`` and ``deferred_wgrad``."""
 
     def __init__(self, c, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
                  layer_ids: list[int], rows_train: np.ndarray, rows_val: np.ndarray, lengths: np.ndarray,
@@ -217,7 +219,7 @@ class Trainer:
                                  step_weights=[c.step_loss_decay**k for k in range(c.ttt_steps)],
                                  drop_out_of_vocab=c.drop_out_of_vocab, compute_dtype=self.compute_dtype,
                                  compiled=compiled, deferred_wgrad=deferred_wgrad,
-                                 chunk_tokens=c.loss_chunk_tokens)  # fmt: skip
+                                 chunk_tokens=c.loss_chunk_tokens, aligned=c.aligned_loss)  # fmt: skip
         # train() has placed the draft; a blanket .to(device) here would also copy the embedding that
         # --loader-embeddings keeps in host memory onto the device (as it did before commit 936a0af)
         objective.step_weights = objective.step_weights.to(device)
