@@ -37,7 +37,8 @@ def _by_k(report: dict) -> dict[str, dict]:
 
 def _measurement(m: dict, report: dict) -> dict:
     keys = ("tau", "acceptance_per_position", "conditional_acceptance_per_position", "speedup", "tokens_per_s",
-            "baseline_tokens_per_s", "lossless", "rounds", "generated_tokens", "num_turns")  # fmt: skip
+            "baseline_tokens_per_s", "lossless", "rounds", "generated_tokens", "num_turns", "tau_by_turn",
+            "tau_by_category")  # fmt: skip
     out = {k: m.get(k) for k in keys}
     out["num_prompts"] = report.get("num_prompts")
     out["mismatches"] = len(m.get("mismatches") or [])

@@ -210,6 +210,11 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
     got = json.loads((tmp_path / "out2" / "smollm2-quality.json").read_text())
     assert set(got["eval"]) == {"mt-bench", "humaneval"} and got["complete"] is True
     assert got["eval"]["mt-bench"]["K=3"]["num_prompts"] == 1 and got["eval"]["humaneval"]["K=3"]["lossless"]
+    # MT-Bench's tau by turn and by category (one question sampled, both turns); HumanEval has no categories
+    assert set(got["eval"]["mt-bench"]["K=3"]["tau_by_turn"]) == {"1", "2"}
+    (category,) = got["eval"]["mt-bench"]["K=3"]["tau_by_category"]
+    assert category in {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+    assert got["eval"]["humaneval"]["K=3"]["tau_by_category"] == {}
     assert got["prompts"]["prompts"] == 2 and got["regenerate"]["prompts"] == 4 + 2  # ShareGPT's and its own
     assert got["train"]["runs"][0]["steps"] == 2 and got["train"]["runs"][0]["optimizer"] == "adamw"
     assert got["train"]["runs"][0]["compiles"] == 0  # on a CPU the trainer compiles nothing by default

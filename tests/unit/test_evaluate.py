@@ -487,12 +487,22 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
     draft_dir = save_draft(tmp_path / "draft", drafts["fitted"], verifier_name_or_path=str(t.path),
                            verifier_architectures=["LlamaForCausalLM"], ttt_steps=K,
                            dtype=torch.float32)  # fmt: skip
-    report = ev.evaluate(verifier=str(t.path), draft=str(draft_dir), prompts=[PROMPTS[0], PROMPTS[1:]],
-                         max_new_tokens=24, out=str(tmp_path / "r.json"))  # fmt: skip
+    prompts = [{"turns": [PROMPTS[0]], "category": "writing"}, {"turns": PROMPTS[1:], "category": "math"}]
+    report = ev.evaluate(verifier=str(t.path), draft=str(draft_dir), prompts=prompts, max_new_tokens=24,
+                         out=str(tmp_path / "r.json"))  # fmt: skip
     printed = capsys.readouterr().out
     assert "tau" in printed and "lossless" in printed
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["lossless"] is True and saved["num_prompts"] == 2 and saved["num_turns"] == 3
+    # tau by turn number and by category: each a partition of the rounds, so their rounds add up to the whole and
+    # their tau, weighted by rounds, is the whole tau
+    for groups in (saved["tau_by_turn"], saved["tau_by_category"]):
+        assert sum(g["rounds"] for g in groups.values()) == saved["rounds"]
+        mean = sum(g["tau"] * g["rounds"] for g in groups.values()) / saved["rounds"]
+        assert mean == pytest.approx(saved["tau"])
+    assert set(saved["tau_by_turn"]) == {"1", "2"} and set(saved["tau_by_category"]) == {"math", "writing"}
+    assert saved["tau_by_turn"]["2"]["rounds"] < saved["tau_by_category"]["math"]["rounds"]  # math's turn 1 too
+    assert "tau by turn" in printed and "tau by category" in printed
     assert saved["draft_tokens"] == K and len(saved["acceptance_per_position"]) == K
     assert saved["tau"] == pytest.approx(report["tau"]) and saved["tau"] > 1.5
     assert saved["baseline_tokens_per_s"] > 0 and saved["tokens_per_s"] > 0
@@ -502,6 +512,17 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
     assert t["load"] + t["build"] + t["decode"] <= t["total"] + 0.05 and "time" in printed
     assert saved["compiles"] >= 0 and 0 <= t["compile"] <= t["total"]  # torch.compile's share (none on CPU here)
     assert (tmp_path / "r_accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mt_bench_prompts_keep_their_categories():
+    """The report's tau by category reads MT-Bench's own eight categories, ten questions each."""
+    from collections import Counter
+
+    from eyas.evaluation.measure import as_prompts
+
+    plist, _ = as_prompts("mt-bench", num_prompts=None, seed=0)
+    assert Counter(p.category for p in plist) == dict.fromkeys(
+        ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"), 10)  # fmt: skip
 
 
 def test_offline_prediction_from_features(setups, tmp_path):

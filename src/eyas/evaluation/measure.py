@@ -29,6 +29,7 @@ class EvalPrompt:
     id: str
     turns: list[str]
     system: str | None = None
+    category: str | None = None  # MT-Bench's (writing, roleplay, ..., coding): the report's tau by category
 
 
 def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[list[EvalPrompt], str]:
@@ -42,7 +43,7 @@ def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[lis
         from eyas.data.datasets import load_prompts
 
         loaded, report = load_prompts(str(prompts), max_samples=num_prompts, seed=seed)
-        return [EvalPrompt(str(p.id), list(p.turns), p.system) for p in loaded], report.source
+        return [EvalPrompt(str(p.id), list(p.turns), p.system, p.category) for p in loaded], report.source
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -51,11 +52,12 @@ def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[lis
             turns = p.get("turns") or ([p["prompt"]] if "prompt" in p else None)
             if not turns:
                 raise EyasError(f"prompt {i} has neither 'turns' nor 'prompt'")
-            out.append(EvalPrompt(str(p.get("id", i)), list(turns), p.get("system")))
+            out.append(EvalPrompt(str(p.get("id", i)), list(turns), p.get("system"), p.get("category")))
         elif isinstance(p, (list, tuple)):
             out.append(EvalPrompt(str(i), [str(t) for t in p]))
         else:
-            out.append(EvalPrompt(str(getattr(p, "id", i)), list(p.turns), getattr(p, "system", None)))
+            out.append(EvalPrompt(str(getattr(p, "id", i)), list(p.turns), getattr(p, "system", None),
+                                  getattr(p, "category", None)))  # fmt: skip
     if not out:
         raise EyasError("no prompts to evaluate")
     return out[:num_prompts] if num_prompts else out, f"{len(out)} prompts given in Python"
@@ -165,6 +167,21 @@ class SpecStats:
     tokens: int = 0
     seconds: float = 0.0
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    # rounds and kept tokens by the turn's number (1: a prompt's first) and by the prompt's category
+    by_turn: dict[int, list[int]] = field(default_factory=dict)
+    by_category: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_turn(self, spec, *, turn: int, category: str | None) -> None:
+        """Count one turn's speculative decoding (:func:`speculative_generate`'s result), turn ``turn``
+        (numbered from 1) of a prompt of ``category``."""
+        self.accepted += spec.accepted
+        self.produced += spec.produced
+        self.tokens += len(spec.tokens)
+        self.seconds += spec.seconds
+        for groups, key in ((self.by_turn, turn), (self.by_category, category)):
+            if key is not None:
+                rounds, kept = groups.setdefault(key, [0, 0])
+                groups[key] = [rounds + len(spec.produced), kept + sum(spec.produced)]
 
 
 @dataclass
@@ -212,11 +229,7 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
             for K in Ks:
                 spec = speculative_generate(runners.spec, runners.draft, ids, draft_tokens=K, generator=g_spec[K],
                                             fused=runners.fused_rounds, **kw)  # fmt: skip
-                s = m.spec[K]
-                s.accepted += spec.accepted
-                s.produced += spec.produced
-                s.tokens += len(spec.tokens)
-                s.seconds += spec.seconds
+                m.spec[K].add_turn(spec, turn=ti + 1, category=p.category)
                 outs[K] = spec.tokens
             answer = outs[Ks[0]]
             if baseline:
@@ -327,4 +340,14 @@ def summarize(m: Measurement, *, draft_tokens: int, temperature: float, baseline
         "speedup": spec_tps / base_tps if base_tps else None,
         "num_turns": m.turns,
         "generated_tokens": s.tokens,
+        # where a prompt set's tau comes from: MT-Bench's second turns follow the verifier's own first answer,
+        # its categories ask for different kinds of text
+        "tau_by_turn": _taus(s.by_turn),
+        "tau_by_category": _taus(s.by_category),
     }
+
+
+def _taus(groups: dict[Any, list[int]]) -> dict[str, dict[str, float | int]]:
+    """``{key: [rounds, kept tokens]}`` -> ``{str(key): {"tau", "rounds"}}``, in key order."""
+    return {str(k): {"tau": kept / rounds if rounds else 0.0, "rounds": rounds}
+            for k, (rounds, kept) in sorted(groups.items())}  # fmt: skip
