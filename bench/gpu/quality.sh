@@ -46,7 +46,9 @@
 # quoted) and `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files
 # and settings; any other change reruns them) and starts at prepare: carry them with .carry/smol.part01 (81k
 # prompts' answers: 17.2 MB of xz beside the GGUF half's 48.4 MB, inside a call's 64 MiB). Runs kept before that
-# format are seeded the same way from their run.tar.gz (SEED_RUN) and regenerated.tgz parts (SEED_DATA).
+# format are seeded the same way from their run.tar.gz (SEED_RUN) and regenerated.tgz parts (SEED_DATA). On the
+# same warm machine, SEED_FROM=DIR seeds $R from another run folder there (a run finished up to regenerate or
+# later: R=/tmp/lever SEED_FROM=/tmp/q trains a lever on the answers the call before decoded).
 set -u
 source "$(dirname "$0")/common.sh"
 D=${DATA:-$G}; GGUF=${GGUF_FILE:-$GGUF}
@@ -73,6 +75,17 @@ if [ -n "${SEED:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # an ear
     && echo "seeded $R with the prompts and answers of $SEED" | tee -a "$OUT/status.txt" \
     || { rm -f "$R/.seed.tar"; echo "could not seed $R from SEED=$SEED" | tee -a "$OUT/status.txt"; exit 1; }
   rm -f "$R/.seed.tar"
+fi
+if [ -n "${SEED_FROM:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # another run folder on this machine
+  # its finished answers and its self-written prompts, copied as SEED extracts them: the manifests last
+  [ -e "$SEED_FROM/regenerated/manifest.json" ] && mkdir -p "$R/regenerated" \
+    && { [ ! -d "$SEED_FROM/prompts" ] || { mkdir -p "$R/prompts" \
+         && find "$SEED_FROM/prompts" -maxdepth 1 -type f ! -name manifest.json -exec cp {} "$R/prompts/" \; ; }; } \
+    && cp "$SEED_FROM/regenerated/conversations.jsonl" "$R/regenerated/" \
+    && { [ ! -e "$SEED_FROM/prompts/manifest.json" ] || cp "$SEED_FROM/prompts/manifest.json" "$R/prompts/"; } \
+    && cp "$SEED_FROM/regenerated/manifest.json" "$R/regenerated/" \
+    && echo "seeded $R with the prompts and answers of $SEED_FROM" | tee -a "$OUT/status.txt" \
+    || { echo "could not seed $R from SEED_FROM=$SEED_FROM (no finished regenerate there?)" | tee -a "$OUT/status.txt"; exit 1; }
 fi
 if [ -n "${SEED_RUN:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # the same, in the earlier format
   tar xzf "$SEED_RUN" -C "$R" ./prompts && cat $SEED_DATA | tar xzf - -C "$R" \

@@ -186,19 +186,24 @@ def test_quality_sh_runs_the_recipe_config_resumably(make_tiny, tmp_path):
             assert t.extractfile(name).read() == (tmp_path / "q" / name).read_bytes(), name
     assert not (tmp_path / "q" / "eval").exists() and (tmp_path / "q" / "draft" / "manifest.json").is_file()
     # SEED: a new run folder (as on a fresh machine; another path than the seed's) seeded with those prompts and
-    # answers: `eyas run` finds both up to date and starts at prepare; and the same from the earlier format
-    # (SEED_RUN: a call's run.tar.gz, for its prompts; SEED_DATA: the answers' regenerated.tgz parts)
+    # answers: `eyas run` finds both up to date and starts at prepare; the same from the earlier format
+    # (SEED_RUN: a call's run.tar.gz, for its prompts; SEED_DATA: the answers' regenerated.tgz parts); and from
+    # another run folder on the same machine (SEED_FROM)
     (tmp_path / "regenerated.tgz.00").write_bytes(_tgz(tmp_path / "q", "regenerated/conversations.jsonl",
                                                        "regenerated/manifest.json"))  # fmt: skip
     for run, seed in (("q2", {"SEED": str(tmp_path / "out2" / "seed.tar.*")}),
                       ("q3", {"SEED_RUN": str(tmp_path / "out2" / "run.tar.gz"),
-                              "SEED_DATA": str(tmp_path / "regenerated.tgz.*")})):  # fmt: skip
+                              "SEED_DATA": str(tmp_path / "regenerated.tgz.*")}),
+                      ("q4", {"SEED_FROM": str(tmp_path / "q")})):  # fmt: skip
         seeded = _quality_sh(tmp_path, verifier, data, tmp_path / f"out-{run}", 900, sets, until="vocab", run=run,
                              **seed)  # fmt: skip
         assert seeded.returncode == 0 and "seeded" in seeded.stdout, seeded.stdout + seeded.stderr
         log = (tmp_path / run / "run.log").read_text()
         assert log.count("is up to date") == 2 and "regenerate: " in log and "prepare: " in log, log[-3000:]
         assert (tmp_path / run / "vocab" / "manifest.json").is_file()
+    bad = _quality_sh(tmp_path, verifier, data, tmp_path / "out-q5", 900, sets, until="vocab", run="q5",
+                      SEED_FROM=str(tmp_path / "nothing"))  # fmt: skip
+    assert bad.returncode == 1 and "could not seed" in bad.stdout and not (tmp_path / "q5" / "regenerated").exists()
     done = _quality_sh(tmp_path, verifier, data, tmp_path / "out2", 900, sets, PROFILE="1",
                        PROFILE_ATTENTION="sdpa", PROFILE_ARGS="--new-tokens 8 --prompt-len 12")  # fmt: skip
     assert done.returncode == 0 and "all stages done" in done.stdout, done.stdout + done.stderr

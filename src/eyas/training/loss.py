@@ -364,13 +364,14 @@ def ttt_loss(normed: Sequence[torch.Tensor], lm_head_weight: torch.Tensor, targe
     ``rows`` (:func:`scored_rows`, built with ``chunk_tokens``): score only
     those positions; the loss, statistics and gradients are the same.
 
-    ``aligned`` (GRIFFIN's token-alignable training, Hu et al. 2025, arXiv:2502.11018, section 3.2, here for a
-    chain: its top-1): step ``k`` carries loss only at positions where the draft's argmax was the verifier's token
-    at every step before it. Decoding never reaches step ``k`` of a round whose earlier draft was rejected, so
-    elsewhere step ``k`` learns from states (its own hidden state after a wrong token) it is never fed. The
-    scale stays the step's whole count: a step's loss is the mean over positions of KL times "the chain got
-    here", which weighs each step by how often decoding uses it. The statistics are unchanged (the conditional
-    accuracy already counts only those positions).
+    ``aligned`` (GRIFFIN's token-alignable training, Hu et al. 2025, arXiv:2502.11018, whose mask keeps a
+    position while the target stayed in the draft's top-k, for its trees; here a chain's top-1): step ``k``
+    carries loss only at positions where the draft's argmax was the verifier's token at every step before it.
+    Decoding never reaches step ``k`` of a round whose earlier draft was rejected, so elsewhere step ``k``
+    learns from states (its own hidden state after a wrong token) it is never fed. The scale stays the step's
+    whole count: a step's loss is the mean over positions of KL times "the chain got here", which weighs each
+    step by how often decoding uses it. The statistics are unchanged (the conditional accuracy already counts
+    only those positions).
 
     Returns ``(loss, stats [S, 6])``, the columns in :data:`STAT_COLUMNS` (sums).
     """

@@ -183,7 +183,8 @@ class Trainer:
     ``batch_tokens``, ``grad_accum``, ``ttt_steps``, ``step_loss_decay``, ``warmup_steps``, ``schedule``,
     ``weight_decay``, ``clip``, ``seed``, ``optimizer``, ``drop_out_of_vocab``, ``aligned_loss``, ``dist``,
     ``num_workers``, ``save_every``, ``keep_checkpoints``, ``log_every``, ``max_steps``, ``profile_every``,
-    ``loss_chunk_tokens``, ``out``). What the stage resolved on this machine comes beside it: ``compiled`` and ``deferred_wgrad``."""
+    ``loss_chunk_tokens``, ``out``). What the stage resolved on this machine comes beside it: ``compiled`` and
+    ``deferred_wgrad``."""
 
     def __init__(self, c, *, d, device: torch.device, cfg, draft, head: TargetHead, source, verifier_model,
                  layer_ids: list[int], rows_train: np.ndarray, rows_val: np.ndarray, lengths: np.ndarray,
