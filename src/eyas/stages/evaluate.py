@@ -361,7 +361,7 @@ def _print_report(r: dict[str, Any]) -> None:
         ("conditional acceptance", fmt(r["conditional_acceptance_per_position"]) + "  (given the previous accepted)"),
         ("accepted-length histogram", " ".join(map(str, r["accepted_length_histogram"])) + "  (0..K drafts accepted)"),
     ]
-    groups = lambda g: ",  ".join(f"{k} {v['tau']:.2f}" for k, v in g.items())  # noqa: E731
+    groups = lambda g: ",  ".join(f"{k}: {v['tau']:.2f}" for k, v in g.items())  # noqa: E731
     if len(r.get("tau_by_turn") or {}) > 1:
         rows.append(("tau by turn", groups(r["tau_by_turn"]) + "  (a later turn follows the verifier's answer)"))
     if r.get("tau_by_category"):
