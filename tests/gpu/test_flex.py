@@ -145,7 +145,11 @@ def test_working_weights_compiled_equal_autocast(mode, layout):
             assert err(got[1][name]) <= 1.25 * err(ref[1][name]) + 1e-4, name
 
 
-def test_fused_loss_bf16_matches_fp64_reference():
+@pytest.mark.parametrize("aligned", [False, True])
+def test_fused_loss_bf16_matches_fp64_reference(aligned):
+    """The compiled bf16 loss against fp64 on the CPU; ``aligned`` (--aligned-loss) with the first step right by a
+    wide margin at a third of the positions and the second at a sixth, so that the later steps' masks do not hang
+    on bf16 rounding."""
     from eyas.training.loss import Targets, ttt_loss
 
     torch.manual_seed(3)
@@ -153,6 +157,8 @@ def test_fused_loss_bf16_matches_fp64_reference():
     W = torch.randn(Nv, Hd, device="cuda") * 0.05
     normed = [torch.randn(M, Hd, device="cuda") for _ in range(S)]
     tl = torch.randn(M + S, Nv, device="cuda") * 2
+    normed[0][: M // 3] = W[tl[1 : M // 3 + 1].argmax(-1)] * 400  # logit margins far above bf16's resolution
+    normed[1][: M // 6] = W[tl[2 : M // 6 + 2].argmax(-1)] * 400  # and the second step at half of those
     t = Targets(tl.bfloat16(), tl.argmax(-1), torch.ones(M + S, dtype=torch.bool, device="cuda"))
     valid = torch.rand(S, M, device="cuda") > 0.2
     scale = torch.full((S,), 1.0 / M, device="cuda")
@@ -163,10 +169,11 @@ def test_fused_loss_bf16_matches_fp64_reference():
         hs = [h.detach().to(dev, w.dtype).clone().requires_grad_() for h in normed]
         tt = Targets(t.logits.to(dev, torch.float64 if dev == "cpu" else torch.bfloat16), t.argmax.to(dev),
                      t.in_vocab.to(dev))  # fmt: skip
-        loss, _ = ttt_loss(hs, w, tt, valid.to(dev), scale.to(dev, w.dtype), compute_dtype=dtype,
-                           chunk_tokens=1024, compiled=compiled)  # fmt: skip
+        loss, stats = ttt_loss(hs, w, tt, valid.to(dev), scale.to(dev, w.dtype), compute_dtype=dtype,
+                               chunk_tokens=1024, compiled=compiled, aligned=aligned)  # fmt: skip
         loss.backward()
         res[name] = (loss.double().cpu(), w.grad.double().cpu(), [h.grad.double().cpu() for h in hs])
+        assert stats[0, 4] > M // 4  # the first step right where it was made right
     assert abs(res["bf16"][0] - res["fp64"][0]) / res["fp64"][0] < 1e-2
     _close([res["bf16"][1]], [res["fp64"][1]], "lm_head grad")
     _close(res["bf16"][2], res["fp64"][2], "hidden grads")
