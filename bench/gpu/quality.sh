@@ -80,7 +80,7 @@ if [ -n "${SEED_FROM:-}" ] && [ ! -e "$R/regenerated/manifest.json" ]; then  # a
   # its finished answers and its self-written prompts, copied as SEED extracts them: the manifests last
   [ -e "$SEED_FROM/regenerated/manifest.json" ] && mkdir -p "$R/regenerated" \
     && { [ ! -d "$SEED_FROM/prompts" ] || { mkdir -p "$R/prompts" \
-         && find "$SEED_FROM/prompts" -maxdepth 1 -type f ! -name manifest.json -exec cp {} "$R/prompts/" \; ; }; } \
+         && find "$SEED_FROM/prompts" -maxdepth 1 -type f ! -name manifest.json -exec cp -t "$R/prompts/" {} + ; }; } \
     && cp "$SEED_FROM/regenerated/conversations.jsonl" "$R/regenerated/" \
     && { [ ! -e "$SEED_FROM/prompts/manifest.json" ] || cp "$SEED_FROM/prompts/manifest.json" "$R/prompts/"; } \
     && cp "$SEED_FROM/regenerated/manifest.json" "$R/regenerated/" \
