@@ -318,7 +318,7 @@ def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, m
     follows the run that scores every position with targets everywhere: same weights, validation loss and
     statistics."""
     import eyas.training.batches
-    from eyas.training.loss import TargetHead, _FusedTTTLoss, target_rows
+    from eyas.training.loss import _NORMED_AT, TargetHead, _FusedTTTLoss, target_rows
 
     seen, apply = [], _FusedTTTLoss.apply
     heads, call = [], TargetHead.__call__
@@ -329,8 +329,8 @@ def test_skipping_unscored_positions_trains_the_same_weights(inputs, tmp_path, m
 
     monkeypatch.setattr(TargetHead, "__call__", head_spy)
 
-    def spy(*args):  # records each loss call's scored rows (args[7]) against its positions
-        rows, M = args[7], args[8].shape[0]
+    def spy(*args):  # records each loss call's scored rows (args[7]) against its positions (its first state's)
+        rows, M = args[7], args[_NORMED_AT].shape[0]
         seen.append(None if rows is None else (int((rows < M).sum()), M))
         return apply(*args)
 
