@@ -180,8 +180,9 @@ class SpecStats:
         self.seconds += spec.seconds
         for groups, key in ((self.by_turn, turn), (self.by_category, category)):
             if key is not None:
-                rounds, kept = groups.setdefault(key, [0, 0])
-                groups[key] = [rounds + len(spec.produced), kept + sum(spec.produced)]
+                counts = groups.setdefault(key, [0, 0])
+                counts[0] += len(spec.produced)
+                counts[1] += sum(spec.produced)
 
 
 @dataclass
