@@ -4,7 +4,7 @@ roll back exactly, the statistics mean what they say, and TTT predicts what deco
 from __future__ import annotations
 
 import copy
-
+import dataclasses
 import json
 
 import pytest
@@ -512,6 +512,40 @@ def test_eval_stage_writes_report_and_histogram(setups, tmp_path, capsys):
     assert t["load"] + t["build"] + t["decode"] <= t["total"] + 0.05 and "time" in printed
     assert saved["compiles"] >= 0 and 0 <= t["compile"] <= t["total"]  # torch.compile's share (none on CPU here)
     assert (tmp_path / "r_accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_turn_past_max_seq_len_is_skipped_with_its_later_turns(setups, tmp_path, capsys):
+    """A prompt longer than --max-seq-len allows does not size the decoders nor stop the run: that turn and its
+    prompt's later turns are skipped and listed, and every other turn is measured exactly as in a run of those
+    turns alone; when nothing fits, the error says so; a --max-new-tokens that leaves no room is refused."""
+    from eyas.core.errors import EyasError
+    from eyas.core.files import sha256_json
+
+    t, info, model, eos, prompts, drafts = setups("llama")
+    long = " ".join(["dogs and cats"] * 60)  # far more tokens than 80
+    kw = dict(verifier=str(t.path), draft="random", max_new_tokens=8, max_seq_len=80)
+    report = ev.evaluate(prompts=[{"id": "a", "turns": [PROMPTS[0]]}, {"id": "b", "turns": [long, PROMPTS[1]]},
+                                  {"id": "c", "turns": [PROMPTS[2], long, PROMPTS[1]]}], **kw)  # fmt: skip
+    printed = capsys.readouterr().out
+    assert [(x["prompt"], x["turn"]) for x in report["skipped_turns"]] == [("b", 1), ("c", 2)]
+    assert all(x["prompt_tokens"] > 80 for x in report["skipped_turns"]) and report["max_seq_len"] == 80
+    assert "skipped (too long)" in printed and "b turn 1" in printed
+    alone = ev.evaluate(prompts=[{"id": "a", "turns": [PROMPTS[0]]}, {"id": "c", "turns": [PROMPTS[2]]}], **kw)
+    assert report["num_turns"] == alone["num_turns"] == 2 and alone["skipped_turns"] == []
+    for key in ("rounds", "tau", "accepted_length_histogram", "generated_tokens", "lossless"):
+        assert report[key] == alone[key], key
+    # the option recorded only when set: a report of the default settings is the one made before it existed
+    out = tmp_path / "r.json"
+    first = ev.evaluate(prompts=[PROMPTS[0]], out=str(out), **{**kw, "max_seq_len": 4096})
+    c = ev.EvalConfig(prompts=[PROMPTS[0]], out=str(out), **{**kw, "max_seq_len": 4096})
+    settings = {k: v for k, v in dataclasses.asdict(c).items() if k not in ("out", "max_seq_len")}
+    assert first["measured_sha256"] == sha256_json({"settings": settings, "draft": "random",
+                                                    "prompts": [{"id": "0", "turns": [PROMPTS[0]], "system": None,
+                                                                 "category": None}]})  # fmt: skip
+    with pytest.raises(EyasError, match="longer than --max-seq-len 80"):
+        ev.evaluate(prompts=[long], **kw)
+    with pytest.raises(EyasError, match="--max-new-tokens 76 leaves no room"):
+        ev.evaluate(prompts=[PROMPTS[0]], **{**kw, "max_new_tokens": 76})
 
 
 def test_mt_bench_prompts_keep_their_categories():

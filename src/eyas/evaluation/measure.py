@@ -194,6 +194,9 @@ class Measurement:
     base_seconds: float = 0.0
     turn_ids: list[list[int]] = field(default_factory=list)  # every decoded turn's prompt ids, in order
     turns: int = 0
+    # each turn too long for the decoders' capacity ({prompt, turn from 1, prompt_tokens}), its prompt's later
+    # turns not decoded either (they would follow it)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
 
 
 def conversation_bound(plist: list[EvalPrompt], tokenizer, *, max_new_tokens: int, draft_tokens: int) -> int:
@@ -211,6 +214,8 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
 
     A later turn follows the answer of plain decoding to the turn before (the verifier's own answer, greedy at
     ``T = 0``), so every loop decodes the same conversation; at ``T = 0`` every turn's outputs are compared.
+    A turn whose prompt with ``max_new_tokens`` and a round past them would pass the decoders' capacity is not
+    decoded, nor are its prompt's later turns: each is listed in the measurement's ``skipped``.
     """
     from tqdm.auto import tqdm
 
@@ -225,6 +230,10 @@ def measure(plist: list[EvalPrompt], tokenizer, runners: Runners, *, max_new_tok
         answers: list[str] = []
         for ti in range(len(p.turns)):
             ids = encode_prompt(tokenizer, conversation(p, answers, ti))
+            if len(ids) + max_new_tokens + max(Ks) + 2 > runners.spec.capacity:  # conversation_bound's slack
+                m.skipped.append({"prompt": p.id, "turn": ti + 1, "prompt_tokens": len(ids)})
+                bar.update(len(p.turns) - ti)
+                break
             m.turn_ids.append(ids)
             outs = {}
             for K in Ks:

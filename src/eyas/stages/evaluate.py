@@ -21,9 +21,9 @@ import torch
 
 from eyas.data.chat import end_of_turn_ids
 from eyas.core import fields
-from eyas.core.config import StageConfig, option, stage_function
+from eyas.core.config import StageConfig, default_of, option, stage_function
 from eyas.core.errors import EyasError
-from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, TOKENS
+from eyas.core.validate import AT_LEAST_0, AT_LEAST_1, SEQ_LEN, TOKENS
 from eyas.engine.generate import device_and_dtype
 from eyas.evaluation.measure import (
     Runners,
@@ -122,6 +122,15 @@ class EvalConfig(StageConfig):
     max_new_tokens: int = option(
         256, range=TOKENS, help="new tokens per turn at most (decoding also stops at the end-of-turn token)."
     )
+    max_seq_len: int = option(
+        4096,
+        range=SEQ_LEN,
+        recorded="when set",  # reports made before it existed stay up to date: no turn of theirs reached it
+        help="the longest conversation in tokens (at most the verifier's max_position_embeddings): a turn whose "
+        "prompt (earlier turns and answers included) plus --max-new-tokens would pass it is skipped with its "
+        "prompt's later turns, and the report lists it; the decoders' caches are sized by it, not by the "
+        "longest prompt.",
+    )
     draft_tokens: list[int] = option(
         [3],
         help="K, the draft tokens proposed per round; several (3,5,7) are each "
@@ -178,6 +187,11 @@ class EvalConfig(StageConfig):
     trust_remote_code: bool = fields.trust_remote_code(" (never on by default).")
     chat_template: str | None = fields.chat_template(". Give the one the draft's data was prepared with.")
 
+    def check(self) -> None:
+        if self.draft_tokens and self.max_new_tokens + max(self.draft_tokens) + 2 >= self.max_seq_len:
+            raise EyasError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a prompt in --max-seq-len "
+                            f"{self.max_seq_len}; raise --max-seq-len or lower --max-new-tokens")  # fmt: skip
+
 
 def run(c: EvalConfig) -> dict[str, Any]:
     """Run `eyas eval` as ``c`` describes (see :class:`EvalConfig`)."""
@@ -201,7 +215,11 @@ def run(c: EvalConfig) -> dict[str, Any]:
     plist, source = as_prompts(c.prompts, num_prompts=c.num_prompts, seed=c.seed)
     # what this report measures: every setting but --out, the draft's manifest, the prompts themselves; an
     # existing report of the same is kept (a rerun of `eyas run` after a time limit skips finished evals)
-    measured = sha256_json({"settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "out"},
+    settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "out"}
+    for f in dataclasses.fields(c):  # an option recorded "when set", at its default: as before it existed
+        if f.metadata.get("recorded") == "when set" and getattr(c, f.name) == default_of(f):
+            del settings[f.name]
+    measured = sha256_json({"settings": settings,
                             "draft": draft_manifest(c.draft) if str(c.draft) != "random" else "random",
                             "prompts": [dataclasses.asdict(p) for p in plist]})  # fmt: skip
     if c.out and (old := _existing_report(c.out, measured)) is not None:
@@ -218,7 +236,15 @@ def run(c: EvalConfig) -> dict[str, Any]:
                 trust_remote_code=c.trust_remote_code, chat_template=c.chat_template)  # fmt: skip
     seconds = {"load": lap()}
     dev, tokenizer, d = env["device"], env["tokenizer"], env["draft"]
-    bound = conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks))
+    # the longest conversation any turn may reach: --max-seq-len within the verifier's positions; the caches and
+    # graphs are sized by the prompts only when they all fit below it (a long prompt must not size the run)
+    positions = getattr(env["model"].config, "max_position_embeddings", None) or c.max_seq_len  # as regenerate
+    max_len = min(c.max_seq_len, positions)
+    if max_len <= c.max_new_tokens + max(Ks) + 2:
+        raise EyasError(f"--max-new-tokens {c.max_new_tokens} leaves no room for a prompt in the verifier's "
+                        f"{positions} positions; lower --max-new-tokens")  # fmt: skip
+    bound = min(conversation_bound(plist, tokenizer, max_new_tokens=c.max_new_tokens, draft_tokens=max(Ks)),
+                max_len)  # fmt: skip
     runners = Runners.build(env["model"], d, draft_tokens=Ks, max_len=bound, cuda_graphs=c.cuda_graphs,
                             compile=c.compile, fused_rounds=c.fused_rounds,
                             freeze=None if c.freeze else False)  # fmt: skip
@@ -226,6 +252,10 @@ def run(c: EvalConfig) -> dict[str, Any]:
     seconds["build"] = lap()  # the caches and the graphs of every loop, compiling included
     m = measure(plist, tokenizer, runners, max_new_tokens=c.max_new_tokens, eos_ids=env["eos_ids"],
                 temperature=c.temperature, seed=c.seed, baseline=c.baseline)  # fmt: skip
+    if not m.turns:
+        raise EyasError(f"every prompt of {source} is longer than --max-seq-len {max_len} allows with "
+                        f"--max-new-tokens {c.max_new_tokens}: nothing was decoded; raise --max-seq-len"
+                        + (f" (the verifier has {positions} positions)" if positions < c.max_seq_len else ""))  # fmt: skip
     seconds["decode"] = lap()
     # of which the decoding loops' own clocks (the rest: prompts' prefills, templates, graphs of new shapes)
     seconds["decode_plain"] = round(m.base_seconds, 2)
@@ -271,6 +301,9 @@ def run(c: EvalConfig) -> dict[str, Any]:
             "compile": round(compiled[1] - compiled_before[1], 2),
         },
         "compiles": compiled[0] - compiled_before[0],
+        "max_seq_len": max_len,
+        # turns whose prompt with --max-new-tokens would pass max_seq_len, not decoded (nor their prompt's later turns)
+        "skipped_turns": m.skipped,
     }
     if len(Ks) > 1:
         report["by_draft_tokens"] = {str(k): v for k, v in by_k.items()}
@@ -366,6 +399,11 @@ def _print_report(r: dict[str, Any]) -> None:
         rows.append(("tau by turn", groups(r["tau_by_turn"]) + "  (a later turn follows the verifier's answer)"))
     if r.get("tau_by_category"):
         rows.append(("tau by category", groups(r["tau_by_category"])))
+    if r.get("skipped_turns"):
+        sk = r["skipped_turns"]
+        named = ", ".join(f"{x['prompt']} turn {x['turn']} ({x['prompt_tokens']} tokens)" for x in sk[:5])
+        rows.append(("skipped (too long)", f"{len(sk)} turn(s) past --max-seq-len {r['max_seq_len']} with their "
+                     f"prompts' later turns: {named}" + (" ..." if len(sk) > 5 else "")))  # fmt: skip
     if r["lossless"] is not None:
         rows.append(("lossless (== plain greedy)", _lossless_line(r["mismatches"], r["dtype"])))
     speed = f"{r['tokens_per_s']:.1f} tokens/s"
