@@ -111,7 +111,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     env = setup(verifier=args.verifier, draft=args.draft, device=args.device, dtype=args.dtype, seed=args.seed)
-    plist, source = as_prompts(prompts, num_prompts=args.num_prompts, seed=args.seed)
+    plist, source, _ = as_prompts(prompts, num_prompts=args.num_prompts, seed=args.seed)
     load_s = time.perf_counter() - t0
     K, tok, dev = args.draft_tokens, env["tokenizer"], env["device"]
     bound = conversation_bound(plist, tok, max_new_tokens=args.max_new_tokens, draft_tokens=K)

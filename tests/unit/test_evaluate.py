@@ -554,7 +554,8 @@ def test_mt_bench_prompts_keep_their_categories():
 
     from eyas.evaluation.measure import as_prompts
 
-    plist, _ = as_prompts("mt-bench", num_prompts=None, seed=0)
+    plist, _, dropped = as_prompts("mt-bench", num_prompts=None, seed=0)
+    assert dropped == []
     assert Counter(p.category for p in plist) == dict.fromkeys(
         ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"), 10)  # fmt: skip
 
@@ -741,11 +742,17 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
 
     t = make_tiny("llama")
     src = tmp_path / "prompts.jsonl"
-    src.write_text(json.dumps({"question_id": 7, "turns": ["Hi there.", "And again?"]}) + "\n")
+    # rows that are not prompts (no turns; a line that is not JSON) are left out, and the report says which
+    src.write_text(json.dumps({"question_id": 7, "turns": ["Hi there.", "And again?"]}) + "\n"
+                   + json.dumps({"question_id": 8, "turns": []}) + '\n{"question_id": 9,\n')  # fmt: skip
     assert main(["eval", "--verifier", str(t.path), "--draft", "random", "--prompts", str(src), "--max-new-tokens",
                  "6", "--draft-tokens", "2,4", "--out", str(tmp_path / "rep")]) == 0  # fmt: skip
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert report["num_turns"] == 2 and report["draft_tokens"] == 2 and report["lossless"] is True
+    assert report["num_prompts"] == 1 and report["num_turns"] == 2
+    assert report["draft_tokens"] == 2 and report["lossless"] is True
+    dropped = report["prompts_dropped_or_cut"]
+    assert len(dropped) == 1 and dropped[0].startswith("malformed: 2") and "rows 1, 2" in dropped[0]
+    assert "rows dropped or cut" in capsys.readouterr().out
     by_k = report["by_draft_tokens"]
     assert (
         set(by_k) == {"2", "4"} and by_k["2"]["tau"] == report["tau"] and len(by_k["4"]["acceptance_per_position"]) == 4

@@ -32,10 +32,13 @@ class EvalPrompt:
     category: str | None = None  # MT-Bench's (writing, roleplay, ..., coding): the report's tau by category
 
 
-def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[list[EvalPrompt], str]:
-    """Named set, local file, or (from Python) a list of prompts -> ``(prompts, description)``.
+def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[list[EvalPrompt], str, list[str]]:
+    """Named set, local file, or (from Python) a list of prompts -> ``(prompts, description, dropped)``.
 
-    Names and files go through :func:`eyas.data.datasets.load_prompts`, as in ``eyas prepare``. A list may hold
+    Names and files go through :func:`eyas.data.datasets.load_prompts`, as in ``eyas prepare``; ``dropped`` is
+    its report's line per reason a row was dropped (a record without turns, a line that is not JSON) or cut short
+    (a turn of an unknown role: the turns before it kept), with the first rows numbered, so a measurement says
+    which prompts it left out or shortened (empty for a list). A list may hold
     strings (one turn each), lists of strings (turns), dicts with ``turns`` or ``prompt``, or objects with
     ``turns`` (and optionally ``id``, ``system``).
     """
@@ -43,7 +46,8 @@ def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[lis
         from eyas.data.datasets import load_prompts
 
         loaded, report = load_prompts(str(prompts), max_samples=num_prompts, seed=seed)
-        return [EvalPrompt(str(p.id), list(p.turns), p.system, p.category) for p in loaded], report.source
+        plist = [EvalPrompt(str(p.id), list(p.turns), p.system, p.category) for p in loaded]
+        return plist, report.source, [line.strip() for line in report.summary_lines()]
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -60,7 +64,7 @@ def as_prompts(prompts: Any, *, num_prompts: int | None, seed: int) -> tuple[lis
                                   getattr(p, "category", None)))  # fmt: skip
     if not out:
         raise EyasError("no prompts to evaluate")
-    return out[:num_prompts] if num_prompts else out, f"{len(out)} prompts given in Python"
+    return out[:num_prompts] if num_prompts else out, f"{len(out)} prompts given in Python", []
 
 
 def conversation(p: EvalPrompt, answers: list[str], turn: int) -> list[dict[str, str]]:

@@ -212,7 +212,7 @@ def run(c: EvalConfig) -> dict[str, Any]:
         feats = FeatureReader(c.offline)
         feats.check_shards(feats.shards_of(pick_offline_rows(offline_rows_from[0], num_rows=len(feats),
                                                              max_rows=c.offline_rows)))  # fmt: skip
-    plist, source = as_prompts(c.prompts, num_prompts=c.num_prompts, seed=c.seed)
+    plist, source, dropped = as_prompts(c.prompts, num_prompts=c.num_prompts, seed=c.seed)
     # what this report measures: every setting but --out, the draft's manifest, the prompts themselves; an
     # existing report of the same is kept (a rerun of `eyas run` after a time limit skips finished evals)
     settings = {k: v for k, v in dataclasses.asdict(c).items() if k != "out"}
@@ -276,6 +276,9 @@ def run(c: EvalConfig) -> dict[str, Any]:
         "temperature": c.temperature,
         "max_new_tokens": c.max_new_tokens,
         "prompts": source,
+        # rows of the source left out (not prompts) or cut short (a turn of an unknown role, an empty turn: the
+        # turns before it kept), one line per reason with the first rows (from 0)
+        "prompts_dropped_or_cut": dropped,
         "verifier": env["info"].path,
         "draft": str(c.draft),
         "draft_is_random": str(c.draft) == "random",
@@ -399,6 +402,8 @@ def _print_report(r: dict[str, Any]) -> None:
         rows.append(("tau by turn", groups(r["tau_by_turn"]) + "  (a later turn follows the verifier's answer)"))
     if r.get("tau_by_category"):
         rows.append(("tau by category", groups(r["tau_by_category"])))
+    if r.get("prompts_dropped_or_cut"):
+        rows.append(("rows dropped or cut", "; ".join(r["prompts_dropped_or_cut"]) + "  (rows from 0)"))
     if r.get("skipped_turns"):
         sk = r["skipped_turns"]
         named = ", ".join(f"{x['prompt']} turn {x['turn']} ({x['prompt_tokens']} tokens)" for x in sk[:5])
