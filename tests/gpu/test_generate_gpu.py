@@ -141,6 +141,8 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
         assert s1 == s2
     assert graphed.graphs.enabled and any(k[0] == "decode" for k in graphed.graphs.graphs)
     assert graphed.graphs.compile_model is not None  # compiled all along: no compiler error sent it to eager
+    # each layer's closing add computed with the next layer's norm in the graphs (eyas.verifier.norm_ahead)
+    assert any(a.handed for a in model.base_model.__dict__["_eyas_norm_ahead"].values())
 
 
 def test_frozen_layers_decode_as_eager(make_tiny):

@@ -4,6 +4,7 @@ follows the verifier's distribution and does not depend on which requests share 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -286,6 +287,59 @@ def test_compiled_layers_equal_eager(make_tiny):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
     assert "forward" not in model.base_model.layers[0].__dict__  # the eager forward is back after the block
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma", "deepseek_v3", "gemma2", "cohere"])
+def test_prenorm_layers_are_found_by_their_source(make_tiny, name):
+    """The layers whose forward is the pre-norm pattern, statement for statement, run their closing add with the
+    next layer's norm (eyas.verifier.norm_ahead); Gemma-2's extra norms and Cohere's parallel block are other
+    kinds of layer and keep their own forward."""
+    from eyas.verifier.norm_ahead import prenorm_signature
+
+    model = build_text_model(resolve(make_tiny(name).path))
+    sig = prenorm_signature(type(model.base_model.layers[0]))
+    assert (sig is not None) == (name not in ("gemma2", "cohere")), name
+    if sig is not None:
+        assert next(iter(sig.parameters)) == "hidden_states"
+
+
+def test_norm_ahead_hands_each_norm_to_the_next_layer(make_tiny):
+    """Compiled at fixed shapes, each layer computes the next layer's input norm (the final norm after the
+    last): a forward reads every norm but the first from the layer before and gives eager's logits and captured
+    states; a hook that hands a layer a new tensor gets that tensor's own norm (a different result, as eagerly)."""
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+    from eyas.verifier.compile import compiled_layers
+    from eyas.verifier.load import HiddenStateCapture
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    layers = model.base_model.layers
+    slots = Slots(slots=1, capacity=32, layers=layer_shapes(model), dtype=torch.float32, device=torch.device("cpu"))
+    slots.start, slots.keys = torch.tensor([0]), 32
+    ids, pos = torch.tensor([[5, 9, 11]]), torch.tensor([[0, 1, 2]])
+
+    def forward(compiled: bool):
+        with slot_attention(model, slots), HiddenStateCapture(model, [1, 2]) as cap, torch.no_grad():
+            with compiled_layers(model) if compiled else contextlib.nullcontext():
+                slots.begin()
+                return model(input_ids=ids, position_ids=pos, use_cache=False).logits, cap.aux()
+
+    want = forward(False)
+    got = forward(True)
+    (ahead,) = model.base_model.__dict__["_eyas_norm_ahead"].values()
+    assert ahead.handed == len(layers)  # every layer's input norm but the first, and the final norm
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert all("forward" not in m.__dict__ for m in (*layers, model.base_model.norm))  # eager again
+
+    hook = layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 2, *args[1:]))
+    try:
+        want2, got2 = forward(False), forward(True)
+    finally:
+        hook.remove()
+    assert ahead.handed == 2 * len(layers) - 1  # layer 1's input was not layer 0's output
+    assert not torch.allclose(want2[0], want[0])
+    for a, b in zip(got2, want2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_layers_keep_an_instance_forward(make_tiny):

@@ -14,6 +14,7 @@ import torch
 
 from eyas.core.errors import brief
 from eyas.verifier.merged import SAME_MATMUL_ONCE
+from eyas.verifier.norm_ahead import norm_ahead
 
 
 def raise_recompile_limit(limit: int = 64) -> None:
@@ -109,11 +110,30 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
     layers = model.base_model.layers
     # frozen: a compiled version per layer and shape (a few shapes at batch size 1)
     raise_recompile_limit(max(64, 8 * len(layers)) if freeze else 64)
+    with contextlib.ExitStack() as stack:
+        ahead: list[torch.nn.Module] = []
+        if dynamic is False and not freeze and NORM_AHEAD:
+            # at fixed shapes (launch-bound), each layer's closing add with the next norm (eyas.verifier.norm_ahead)
+            ahead = stack.enter_context(norm_ahead(model, compile_options(False)))
+        with _compiled_forwards(model, [m for m in layers if m not in ahead], dynamic=dynamic, freeze=freeze,
+                                ahead=ahead):  # fmt: skip
+            yield
+
+
+#: whether :func:`compiled_layers` at fixed shapes hands each layer's closing residual add to the next layer's
+#: norm (:mod:`eyas.verifier.norm_ahead`); bench/decode_profile.py turns it off to measure what it saves
+NORM_AHEAD = True
+
+
+@contextlib.contextmanager
+def _compiled_forwards(model, layers, *, dynamic: bool | None, freeze: bool,
+                       ahead: list[torch.nn.Module]) -> Iterator[None]:  # fmt: skip
+    """``layers`` and (at fixed shapes) the outer modules not in ``ahead`` run compiled inside the block."""
     name = f"_eyas_compiled_{dynamic}" + ("_frozen" if freeze else "")
     # the outer modules at fixed shapes only (batch-1 decoding's few graphs, replayed for every token): a forward
     # of symbolic shapes (a prompt, a batched step) runs them once among many more kernels, where compiles of
     # their own would buy back less than they cost
-    modules = [*layers, *(outer_modules(model) if dynamic is False else [])]
+    modules = [*layers, *(m for m in (outer_modules(model) if dynamic is False else []) if m not in ahead)]
     # a forward already set on the instance (accelerate's device-map hooks put theirs there) is compiled, then
     # put back after the block
     before = [m.__dict__.get("forward") for m in modules]
