@@ -31,6 +31,10 @@ With ``--blas default,cublaslt`` each variant runs once per BLAS library of its 
 (``torch.backends.cuda.preferred_blas_library``): whether cuBLASLt's heuristics pick faster kernels than
 cuBLAS' for a one-row GEMM, about half of a step's GPU time at batch 1 (docs/BENCHMARKS.md).
 
+With ``--norm-ahead off,on`` each variant runs twice: each verifier layer's closing residual add in its own
+kernel, then computed with the next layer's input norm (eyas' default at fixed shapes: eyas.verifier.norm_ahead),
+each row naming which.
+
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
 run eagerly, then compiled with the layers (eyas' default), each row naming which.
@@ -213,6 +217,12 @@ def main() -> None:
     ap.add_argument("--inductor", default="default", help="inductor settings to compare: 'default;KEY=VALUE,...;...'")
     ap.add_argument("--outer", default="on", help="off, on, or both (off,on): the verifier's rotary table, final "
                     "norm and plain step's pick compiled with its layers or run eagerly")  # fmt: skip
+    ap.add_argument(
+        "--norm-ahead",
+        default="on",
+        help="off, on, or both (off,on): each layer's closing residual "
+        "add computed with the next layer's norm (eyas.verifier.norm_ahead), or in its own kernel",
+    )
     ap.add_argument("--blas", default="default", help="the BLAS library of the matmuls (comma-separated): default "
                     "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
@@ -273,8 +283,9 @@ def main() -> None:
     merged_model = to_merge(env["model"])
     merged_draft = to_merge(env["draft"]) if args.draft != "random" else None  # random drafts: one a layer count
     blas_default = torch.backends.cuda.preferred_blas_library().name.lower()  # "cublas" on CUDA builds
-    for (variant, settings), outer, blas in itertools.product(inductor_variants(args.inductor), args.outer.split(","),
-                                                              args.blas.split(",")):  # fmt: skip
+    for (variant, settings), outer, blas, ahead in itertools.product(
+            inductor_variants(args.inductor), args.outer.split(","), args.blas.split(","),
+            args.norm_ahead.split(",")):  # fmt: skip
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         try:  # a setting this torch does not have is one row saying so, not the end of the others
             with torch._inductor.config.patch(settings):
@@ -292,6 +303,9 @@ def main() -> None:
                 print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 continue
         set_outer(outer == "on")
+        import eyas.verifier.compile as compile_
+
+        compile_.NORM_AHEAD = ahead == "on"
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -303,8 +317,8 @@ def main() -> None:
                 ):
                     for d in filter(None, (env["draft"], merged_draft)):  # the cache eval's rounds make reads it
                         d.attn_implementation = draft_attention
-                    tag = {"inductor": variant, "outer": outer, "blas": blas, "draft_layers": layers,
-                           "draft_attention": draft_attention}  # fmt: skip
+                    tag = {"inductor": variant, "outer": outer, "blas": blas, "norm_ahead": ahead,
+                           "draft_layers": layers, "draft_attention": draft_attention}  # fmt: skip
                     rows = {}
                     for freeze in args.freeze.split(","):
                         for merge in merges:

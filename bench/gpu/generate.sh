@@ -36,7 +36,8 @@
 # kernels, eyas' own, are undone with `combo_kernels=False`; `max_autotune_gemm=True`, Triton GEMM templates,
 # measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py
 # --blas) and the verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly;
-# decode_profile.py --outer), then the batched engine on 4,096 ShareGPT first turns:
+# decode_profile.py --outer; NORM_AHEAD=off,on: each layer's closing add apart and with the next norm,
+# decode_profile.py --norm-ahead), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
@@ -91,7 +92,7 @@ if [ "$mode" = autotune ]; then
   TUNE="$TUNE;triton.enable_pdl=True,coordinate_descent_tuning=True"
   run profile timeout 470 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
     --draft-attention matmul --inductor "${INDUCTOR:-$TUNE}" \
-    --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}"
+    --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}" --norm-ahead "${NORM_AHEAD:-on}"
   # 470 + 100 s keeps the call inside the device's 600 s with its setup (the batched run took 40 s at b502f3f)
   run regen_4096 timeout 100 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine

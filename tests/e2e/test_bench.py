@@ -301,11 +301,11 @@ def test_eval_speedup_smoke(tmp_path):
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
     profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant,
-    --outer setting and draft layer count, the draft's cache read as eval reads it on CUDA (SDPA's, eval's
+    --outer setting and draft layer count (--norm-ahead's setting named in each row), the draft's cache read as eval reads it on CUDA (SDPA's, eval's
     on CPU, is every CPU eval test's)."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
                         "default;max_autotune_gemm=True,coordinate_descent_tuning=True;no_such_setting=1",
-                        "--outer", "off,on", "--blas", "default,cublaslt", "--draft-layers", "1,2",
+                        "--outer", "off,on", "--norm-ahead", "off", "--blas", "default,cublaslt", "--draft-layers", "1,2",
                         "--draft-attention", "matmul", "--max-len", "300"],
                        tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
@@ -318,10 +318,11 @@ def test_decode_profile_smoke(tmp_path):
     }, errors
     rows = [r for r in rows if "error" not in r]
     assert {r["max_len"] for r in rows} == {300}  # the caches sized as eval sizes them to a long conversation
-    assert [(r["inductor"], r["outer"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
-        (variant, outer, layers, attention)
+    assert [(r["inductor"], r["outer"], r["norm_ahead"], r["draft_layers"], r["draft_attention"]) for r in rows] == [
+        (variant, outer, ahead, layers, attention)
         for variant in ("default", tuned)
         for outer in ("off", "on")
+        for ahead in ("off",)
         for layers in (1, 2)
         for attention in ("matmul",)
     ]
