@@ -342,6 +342,42 @@ def test_norm_ahead_hands_each_norm_to_the_next_layer(make_tiny):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_norm_ahead_fuses_the_closing_add_with_the_next_norm(make_tiny, monkeypatch):
+    """In inductor's output code for a decoding step (fixed shapes, FlexAttention traced in), a layer compiled
+    with the norm handed ahead has one kernel fewer than the layer compiled alone: its closing residual add and
+    the next norm are one kernel (an add and a mean in one), and the final norm is not compiled on its own."""
+    import re
+
+    from inductor_code import output_code
+
+    import eyas.verifier.compile as compile_
+    from eyas.engine.slots import Slots, layer_shapes, slot_attention
+
+    model = build_text_model(resolve(make_tiny("llama").path))
+    slots = Slots(slots=1, capacity=200, layers=layer_shapes(model), dtype=torch.float32,
+                  device=torch.device("cpu"), attention="flex")  # fmt: skip
+
+    def step():
+        slots.start, slots.keys = torch.tensor([5]), slots.key_length(6, 1)
+        slots.begin(1, 1)
+        return model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[5]]), use_cache=False).logits
+
+    kernels, logits = {}, {}
+    for ahead in (False, True):
+        monkeypatch.setattr(compile_, "NORM_AHEAD", ahead)
+        with slot_attention(model, slots), torch.no_grad(), compile_.compiled_layers(model):
+            logits[ahead], codes = output_code(step)
+        layer_codes = [c for c in codes if "flex_attention" in c]
+        kernels[ahead] = {tuple(re.findall(r"^(\w+) = async_compile\.", c, re.M)) for c in layer_codes}
+        kernels[ahead, "all"] = [len(re.findall(r"^\w+ = async_compile\.", c, re.M)) for c in codes]
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-5)
+    (alone,), (ahead,) = kernels[False], kernels[True]  # one compiled version of the layers each
+    assert len(ahead) == len(alone) - 1, (alone, ahead)
+    assert "add" in ahead[-1] and "mean" in ahead[-1] and "mean" not in alone[-1], (alone, ahead)
+    # apart from the layers: the rotary table, and the final norm (alone) or the first layer's norm (ahead)
+    assert sum(kernels[True, "all"]) < sum(kernels[False, "all"]), kernels
+
+
 def test_compiled_layers_keep_an_instance_forward(make_tiny):
     """A forward set on a layer instance (accelerate's device-map hooks put theirs there) runs compiled inside
     ``compiled_layers`` (the hook still called) and is the layer's forward again after the block."""
