@@ -37,7 +37,8 @@ each row naming which.
 
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
-run eagerly, then compiled with the layers (eyas' default), each row naming which.
+run eagerly, then compiled with the layers (eyas' default), each row naming which. With ``--norm-ahead on`` the
+final norm is computed with the last layer either way (only the rotary table and the pick then differ).
 
 With ``--batched ROWS,...`` it profiles instead the batched step of ``eyas regenerate``
 (:class:`eyas.engine.generate.BatchDecoder`): every slot busy at each position ``--live`` lists, one step
