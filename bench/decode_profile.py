@@ -304,9 +304,7 @@ def main() -> None:
                 print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 continue
         set_outer(outer == "on")
-        import eyas.verifier.compile as compile_
-
-        compile_.NORM_AHEAD = ahead == "on"
+        set_norm_ahead(ahead == "on")
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -349,6 +347,14 @@ def set_outer(on: bool) -> None:
 
     compile_.OUTER_MODULES = _OUTER if on else ()
     SequenceDecoder.compile_tail = on
+
+
+def set_norm_ahead(on: bool) -> None:
+    """What ``--norm-ahead`` compares: each verifier layer's closing add computed with the next layer's norm
+    (eyas' default, eyas.verifier.norm_ahead), or in its own kernel."""
+    import eyas.verifier.compile as compile_
+
+    compile_.NORM_AHEAD = on
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ def prenorm_signature(cls: type) -> inspect.Signature | None:
     if not isinstance(call, ast.Call) or call.args:
         return None
     shown = [ast.unparse(s) for s in body]
-    shown[2] = ast.unparse(body[2]).split("(")[0] + "(...)"
+    shown[2] = shown[2].split("(")[0] + "(...)"
     if shown != _PRENORM:
         return None
     sig = inspect.signature(fn)
@@ -163,7 +163,9 @@ def norm_ahead(model, options: dict) -> Iterator[list[torch.nn.Module]]:
     # same compiled function, so a new one at every block would compile again
     kept = base.__dict__.setdefault("_eyas_norm_ahead", {})
     key = repr(sorted(options.items(), key=lambda kv: kv[0]))
-    ahead = kept[key] if key in kept else kept.setdefault(key, NormAhead(options))
+    if key not in kept:
+        kept[key] = NormAhead(options)
+    ahead = kept[key]
     nexts = [m.input_layernorm for m in layers[1:]] + [final]
     for m, nxt, sig in zip(layers, nexts, sigs):
         m.forward = ahead.layer_forward(m, nxt, sig)
