@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -767,7 +768,8 @@ def test_eval_cli(make_tiny, tmp_path, capsys):
 @pytest.mark.parametrize("freeze", [False, True])
 def test_compiled_draft_decodes_what_the_eager_one_does(setups, freeze):
     """The draft's fixed-shape forwards through torch.compile (``DraftRunner(compile=True)``, on by default under
-    CUDA graphs) propose and accept exactly the drafts of the eager forward, and its compiled catch-up over
+    CUDA graphs) propose and accept exactly the drafts of the eager forward, round by round and with each round
+    as one function (its catch-up and acceptance compiled too), and its compiled catch-up over
     the verifier's aux states (fused inside) gives the eager logits; the cache writes land in the cache. Also
     compiled frozen (eval's draft, weights as constants). Either way a layer's q/k/v are one matmul in inductor's
     code and gate/up another (merged by the compiled runner, in place: a copy here, the fixture's draft is
@@ -783,8 +785,11 @@ def test_compiled_draft_decodes_what_the_eager_one_does(setups, freeze):
     assert hasattr(compiled.draft.layers[0].self_attn, "merged_qkv_proj")
     for ids in prompts[:2]:
         want = speculative_generate(spec, eager, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
-        got = speculative_generate(spec, compiled, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos)
-        assert (got.tokens, got.accepted, got.proposals) == (want.tokens, want.accepted, want.proposals)
+        for fused in (False, True):  # rounds by parts, and each round as one function
+            got = speculative_generate(spec, compiled, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos,
+                                       fused=fused)  # fmt: skip
+            assert (got.tokens, got.accepted, got.proposals) == (want.tokens, want.accepted, want.proposals)
+    assert compiled._compiled.compiled is not None and compiled.outcome.compiled is not None  # none fell back
     aux = torch.randn(1, 2, 3 * info.hidden_size, generator=torch.Generator().manual_seed(5))
     ids, pos = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
     for dr in (eager, compiled):
@@ -795,8 +800,41 @@ def test_compiled_draft_decodes_what_the_eager_one_does(setups, freeze):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # fc and the head, then a layer's q/k/v, o, gate/up and down
     assert matmuls(codes) == 2 + len(draft.layers) * 4
-    torch.testing.assert_close(compiled.cache.k, eager.cache.k, rtol=1e-5, atol=1e-5)
+    # the positions written (elsewhere: what earlier decoding left, rounds as one function past the accepted)
+    torch.testing.assert_close(compiled.cache.k[:, :, 3:5], eager.cache.k[:, :, 3:5], rtol=1e-5, atol=1e-5)
     assert bool(compiled.cache.valid[0, 3:5].all()) and not bool(compiled.cache.valid[0, 5:].any())
+
+
+def test_the_compiled_acceptance_equals_the_eager_one():
+    """A greedy round's acceptance compiled (what eval's rounds run) gives what it gives eagerly, ties between the
+    verifier's logits included (the lowest token wins), for every accepted count from 0 to K, in fewer kernels
+    than its eager operations."""
+    from inductor_code import output_code
+
+    from eyas.engine.speculative import greedy_outcome
+
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(greedy_outcome, dynamic=False)
+    seen = set()
+    for trial in range(24):
+        logits = torch.randint(0, 4, (K + 1, 50), generator=g).float()  # many ties
+        proposal = logits[:K].argmax(-1)
+        a = trial % (K + 1)
+        if a < K:  # reject draft a: another token than the verifier's first top one
+            proposal[a] = (proposal[a] + 1) % 50
+        want = greedy_outcome(logits, proposal)
+        if trial == 0:
+            got, codes = output_code(lambda: compiled(logits, proposal))
+            kernels = sum(len(re.findall(r"^\w+ = async_compile\.", c, re.M)) for c in codes)
+            assert 1 <= kernels <= 3, (
+                codes
+            )  # eagerly: argmax, slice, eq, cast, cumprod, sum, gather, cat, cat, index_copy
+        else:
+            got = compiled(logits, proposal)
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
+        seen.add(int(want[0]))
+    assert seen == set(range(K + 1))
 
 
 def test_a_draft_that_fails_to_compile_decodes_eagerly(setups, capsys):
@@ -809,9 +847,11 @@ def test_a_draft_that_fails_to_compile_decodes_eagerly(setups, capsys):
     def fail(*args):
         raise RuntimeError("inductor: no C++ compiler found\nmore detail")
 
-    broken._compiled = fail
+    broken._compiled.compiled = broken.outcome.compiled = fail
     want = speculative_generate(spec, DraftRunner(draft), prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
     got = speculative_generate(spec, broken, prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
-    assert (got.tokens, got.accepted) == (want.tokens, want.accepted) and broken._compiled is None
+    assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
+    assert broken._compiled.compiled is None and broken.outcome.compiled is None
     err = capsys.readouterr().err
-    assert err.count("the draft's forward without torch.compile (RuntimeError: inductor: no C++ compiler found)") == 1
+    for what in ("the draft's forward", "a round's acceptance"):
+        assert err.count(f"{what} without torch.compile (RuntimeError: inductor: no C++ compiler found)") == 1

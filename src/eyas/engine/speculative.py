@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
-from eyas.core.errors import EyasError, brief
+from eyas.core.errors import EyasError
 from eyas.engine.generate import SequenceDecoder
 from eyas.draft.model import Eagle3Draft
+from eyas.verifier.compile import CompiledOrEager
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -91,6 +92,15 @@ def fed_tokens(proposal: torch.Tensor, nxt: torch.Tensor, accepted: torch.Tensor
     return torch.cat([proposal, nxt]).index_copy(0, accepted, nxt)
 
 
+def greedy_outcome(logits: torch.Tensor, proposal: torch.Tensor):
+    """A greedy round's acceptance from the verifier's ``logits [K+1, V]`` over the last token and the drafts
+    ``proposal [K]`` -> (accepted ``[1]``, the next token ``[1]``, the outcome the host reads ``[accepted, next,
+    proposal...]`` ``[K+2]``, and the tokens the draft's catch-up reads at the K + 1 fed positions ``[K+1]``,
+    :func:`fed_tokens`)."""
+    accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
+    return accepted, nxt, torch.cat([accepted, nxt, proposal]), fed_tokens(proposal, nxt, accepted)
+
+
 class DraftRunner:
     """The draft's step function over its position-indexed cache, plus the draft-to-target vocab map.
 
@@ -126,13 +136,18 @@ class DraftRunner:
         self.graph_max_tokens = graph_max_tokens
         self._static: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self._rounds: dict[tuple[int, int], GreedyRounds] = {}
-        self._compiled = None
+        forward = outcome = None
         if compile:
             raise_recompile_limit()  # a shape per catch-up length, again for each new cache
             if merge:  # its layers' q/k/v and gate/up one matmul each (eyas.verifier.merged)
                 merge_projections(draft)
-            self._compiled = compile_frozen(self._forward) if freeze else \
+            forward = compile_frozen(self._forward) if freeze else \
                 torch.compile(self._forward, dynamic=False, options=compile_options(False))  # fmt: skip
+            outcome = torch.compile(greedy_outcome, dynamic=False, options=compile_options(False))
+        self._compiled = CompiledOrEager(self._forward, forward, "the draft's forward")
+        # a greedy round's acceptance compiled with the draft: its argmax, then one or two kernels where eagerly
+        # the comparison, the running product, the sum, the gather and the concatenations are eight launches
+        self.outcome = CompiledOrEager(greedy_outcome, outcome, "a round's acceptance")
         self.frozen = compile and freeze
 
     def reset(self, max_len: int) -> None:
@@ -163,25 +178,11 @@ class DraftRunner:
             return self.draft.compute_logits(normed[:, -1])[0].float(), next_hidden[:, -1:]  # [N], [1, 1, H]
         return self.draft.compute_logits(normed.index_select(1, at)[:, 0])[0].float(), next_hidden.index_select(1, at)
 
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        position_ids: torch.Tensor,
-        fuse: bool = False,
-        at: torch.Tensor | None = None,
-    ):
+    def _run(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, fuse: bool = False,
+             at: torch.Tensor | None = None):  # fmt: skip
         """:meth:`_forward` at a fixed shape: compiled with ``compile`` (eager from the first time compiling fails,
         after one note; the graphs run it twice eagerly before recording, so a failure comes before a capture)."""
-        if self._compiled is not None:
-            try:
-                return self._compiled(input_ids, hidden, position_ids, fuse, at)
-            except Exception as e:  # a compiler error on some machine: correct, if slower, without it
-                import sys
-
-                self._compiled = None
-                print(f"eyas: the draft's forward without torch.compile ({brief(e)})", file=sys.stderr)
-        return self._forward(input_ids, hidden, position_ids, fuse, at)
+        return self._compiled(input_ids, hidden, position_ids, fuse, at)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned
@@ -215,18 +216,16 @@ class DraftRunner:
         return self._forward(ids[None], aux, pos, True, at)
 
     @torch.no_grad()
-    def catch_up_round(self, proposal: torch.Tensor, nxt: torch.Tensor, aux: torch.Tensor, start: int,
-                       accepted: torch.Tensor):  # fmt: skip
+    def catch_up_round(self, fed: torch.Tensor, aux: torch.Tensor, start: int, accepted: torch.Tensor):
         """After a round, the ``K + 1`` positions the verifier fed from ``start``, whatever was accepted: each
-        reads the token :func:`fed_tokens` gives it (from ``proposal [K]``, the verifier's next token ``nxt [1]``
-        and ``accepted [1]``), with ``aux [K+1, 3H]`` the verifier's states there. Returns the draft logits
-        ``[N]`` and ``next_hidden [1, 1, H]`` at index ``accepted`` (a device tensor: no host sync).
+        reads the token ``fed [K+1]`` that :func:`fed_tokens` gives it (from the round's proposal, the verifier's
+        next token and ``accepted [1]``), with ``aux [K+1, 3H]`` the verifier's states there. Returns the draft
+        logits ``[N]`` and ``next_hidden [1, 1, H]`` at index ``accepted`` (a device tensor: no host sync).
 
         One shape a round, as vLLM's padded drafter and :class:`GreedyRounds` run it: one compiled version and
         one graph instead of one per accepted count (K + 1 of each to compile and record before eval's loops
         run at speed). The positions past the accepted ones get garbage that the next round's drafting steps
         overwrite before a query at or after them reads them."""
-        fed = fed_tokens(proposal, nxt, accepted)
         return self._catch_up("catch_up_round", fed, aux, start, accepted.reshape(1))
 
     def _chain(self, logits: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, K: int) -> torch.Tensor:
@@ -397,7 +396,7 @@ def _speculative(verifier: SequenceDecoder, draft: DraftRunner, prompt_ids: list
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
         last = nxt
         if not done:  # over all K + 1 fed positions
-            d_logits, hidden = draft.catch_up_round(proposal, nxt, aux, m, accepted)
+            d_logits, hidden = draft.catch_up_round(fed_tokens(proposal, nxt, accepted), aux, m, accepted)
         m += a + 1
     return out
 
@@ -417,10 +416,10 @@ def _greedy(verifier: SequenceDecoder, draft: DraftRunner, out: Generation, done
     while not done:
         # The verifier's cache is rolled back to m by feeding from m: `last` and the K drafts.
         logits, aux = verifier.forward(torch.cat([last, proposal]), m)  # [K+1, V], [K+1, 3H]
-        accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
-        outcome = _Readback(torch.cat([accepted, nxt, proposal]))
+        accepted, nxt, outcome, fed = draft.outcome(logits, proposal)  # [1], [1], [K+2], [K+1]
+        outcome = _Readback(outcome)
         draft.cache.truncate(m)  # drop drafted entries; recompute the accepted ones from the verifier
-        d_logits, hidden = draft.catch_up_round(proposal, nxt, aux, m, accepted)
+        d_logits, hidden = draft.catch_up_round(fed, aux, m, accepted)
         upcoming = draft.propose(d_logits, hidden, accepted + (m + 1), K)
         a, done = _account(out, outcome.get(), max_new_tokens, eos_ids)  # the round's one sync
         last, proposal = nxt, upcoming
@@ -508,12 +507,13 @@ class GreedyRounds:
         pos = (self.m + self.steps)[None]  # [1, K+1]
         v.slots.start.copy_(self.m)
         logits, aux = v._forward(torch.cat([self.last, proposal])[None], pos, 0)  # [K+1, V], [K+1, 3H]
-        accepted, nxt = verify_greedy(logits[None], proposal[None])  # [1], [1]
-        ids = fed_tokens(proposal, nxt, accepted)
-        normed, next_hidden = d.draft.step(ids[None], d.draft.fuse(aux[None].to(d.dtype)), pos, d.cache)
-        self.d_logits.copy_(d.draft.compute_logits(normed[0].index_select(0, accepted))[0].float())
-        self.hidden.copy_(next_hidden.index_select(1, accepted))
-        self.out.copy_(torch.cat([accepted, nxt, proposal]))
+        accepted, nxt, outcome, fed = d.outcome(logits, proposal)  # [1], [1], [K+2], [K+1]
+        # the catch-up through the draft's compiled forward, as the rounds by parts run it (eagerly, a draft
+        # forward is about 120 kernels inside the graph)
+        d_logits, hidden = d._run(fed[None], aux[None].to(d.dtype), pos, True, accepted)  # [N], [1, 1, H]
+        self.d_logits.copy_(d_logits)
+        self.hidden.copy_(hidden)
+        self.out.copy_(outcome)
         self.last.copy_(nxt)
         self.m.add_(accepted + 1)
 

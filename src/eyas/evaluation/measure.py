@@ -125,10 +125,10 @@ class Runners:
     def _warm_up(self) -> None:
         """Record every graph the timed loops can replay, outside the timing: the plain (greedy) step and each
         verification length at every key-length bucket up to the capacity (through FlexAttention one key length
-        serves them all: the rest replay), each K's catch-up over the K + 1 positions a round feeds, the draft's
-        drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's round at
-        every bucket; and the prompts' forward, compiled with symbolic shapes, so that no turn's timing holds
-        its compile. (Eager decoding, as on CPU, has nothing to prepare.)"""
+        serves them all: the rest replay), each K's acceptance (compiled) and catch-up over the K + 1 positions a
+        round feeds, the draft's drafting step and its greedy K-step chains, and with ``fused_rounds`` each K's
+        round at every bucket; and the prompts' forward, compiled with symbolic shapes, so that no turn's timing
+        holds its compile. (Eager decoding, as on CPU, has nothing to prepare.)"""
         from eyas.engine.slots import FLEX_MAX_NEW, KEY_BUCKETS
 
         if not self.base.graphs.enabled:
@@ -140,17 +140,19 @@ class Runners:
         starts = sorted({min(b, cap) for b in KEY_BUCKETS if b < cap} | {cap})
         Kmax = max(self.draft_tokens)
         ids = torch.arange(1, Kmax + 2, device=self.spec.device)
+        verified = {}
         for end in starts:
             for _ in self.base.decode(ids[:1], end - 1, 1):  # the plain step (greedy) at this key bucket
                 pass
             for K in self.draft_tokens:
-                _, aux = self.spec.forward(ids[: K + 1], end - K - 1)
+                verified[K], aux = self.spec.forward(ids[: K + 1], end - K - 1)
         # fused rounds run up to three rounds past the last position while their graphs are recorded; rounds by
         # parts draft K more past the last round (speculative._greedy): one allocation for every turn to come
         self.draft.reset(cap + Kmax + (4 * (Kmax + 1) if self.fused_rounds else 0))
         at = torch.zeros(1, dtype=torch.long, device=ids.device)
         for K in self.draft_tokens:
-            logits, hidden = self.draft.catch_up_round(ids[:K], ids[K : K + 1], aux[:1].expand(K + 1, -1), 0, at)
+            self.draft.outcome(verified[K], ids[1 : K + 1])  # the round's acceptance (compiled with the draft)
+            logits, hidden = self.draft.catch_up_round(ids[: K + 1], aux[:1].expand(K + 1, -1), 0, at)
         self.draft.step(ids[:1], hidden, Kmax + 1)
         for K in self.draft_tokens:
             self.draft.propose(logits, hidden, Kmax + 1, K)

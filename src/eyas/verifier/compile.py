@@ -168,6 +168,26 @@ def outer_modules(model) -> list[torch.nn.Module]:
     return [m for m in found if isinstance(m, torch.nn.Module)]
 
 
+class CompiledOrEager:
+    """``fn`` through ``compiled`` (its ``torch.compile``, or None for eager only) until compiling fails once, then
+    ``fn`` itself, after one note naming ``what``: a compiler error on some machine costs speed, not the run. Under
+    CUDA graphs the graphs run a function twice eagerly before recording it, so a failure comes before a capture."""
+
+    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any] | None, what: str) -> None:
+        self.fn, self.compiled, self.what = fn, compiled, what
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # a compiler error
+                import sys
+
+                self.compiled = None
+                print(f"eyas: {self.what} without torch.compile ({brief(e)})", file=sys.stderr)
+        return self.fn(*args)
+
+
 def compile_work() -> tuple[int, float]:
     """How many times dynamo compiled in this process so far, and the seconds it took (its own
     ``compilation_time_metrics``; ``(0, 0.0)`` where a torch version keeps none). A stage reports the difference
