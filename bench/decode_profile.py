@@ -35,6 +35,10 @@ With ``--norm-ahead off,on`` each variant runs twice: each verifier layer's clos
 kernel, then computed with the next layer's input norm (eyas' default at fixed shapes: eyas.verifier.norm_ahead),
 each row naming which.
 
+With ``--decode-mlp off,on`` each variant runs twice: each verifier layer's MLP block (the residual add, the norm,
+gate/up, SiLU, down, the closing add) as inductor compiles it, then as eyas' two Triton kernels
+(eyas.verifier.decode_mlp; with the norm handed ahead only, where they run), each row naming which.
+
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
 run eagerly, then compiled with the layers (eyas' default), each row naming which. With ``--norm-ahead on`` the
@@ -224,6 +228,8 @@ def main() -> None:
         help="off, on, or both (off,on): each layer's closing residual "
         "add computed with the next layer's norm (eyas.verifier.norm_ahead), or in its own kernel",
     )
+    ap.add_argument("--decode-mlp", default="off", help="off, on, or both (off,on): each layer's MLP block as "
+                    "eyas' two Triton kernels (eyas.verifier.decode_mlp) or as inductor compiles it")  # fmt: skip
     ap.add_argument("--blas", default="default", help="the BLAS library of the matmuls (comma-separated): default "
                     "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
@@ -284,9 +290,9 @@ def main() -> None:
     merged_model = to_merge(env["model"])
     merged_draft = to_merge(env["draft"]) if args.draft != "random" else None  # random drafts: one a layer count
     blas_default = torch.backends.cuda.preferred_blas_library().name.lower()  # "cublas" on CUDA builds
-    for (variant, settings), outer, blas, ahead in itertools.product(
+    for (variant, settings), outer, blas, ahead, mlp in itertools.product(
             inductor_variants(args.inductor), args.outer.split(","), args.blas.split(","),
-            args.norm_ahead.split(",")):  # fmt: skip
+            args.norm_ahead.split(","), args.decode_mlp.split(",")):  # fmt: skip
         torch._dynamo.reset()  # every compiled layer and draft forward compiles again, under these settings
         try:  # a setting this torch does not have is one row saying so, not the end of the others
             with torch._inductor.config.patch(settings):
@@ -304,7 +310,7 @@ def main() -> None:
                 print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 continue
         set_outer(outer == "on")
-        set_norm_ahead(ahead == "on")
+        set_norm_ahead(ahead == "on", decode_mlp=mlp == "on")
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -317,7 +323,7 @@ def main() -> None:
                     for d in filter(None, (env["draft"], merged_draft)):  # the cache eval's rounds make reads it
                         d.attn_implementation = draft_attention
                     tag = {"inductor": variant, "outer": outer, "blas": blas, "norm_ahead": ahead,
-                           "draft_layers": layers, "draft_attention": draft_attention}  # fmt: skip
+                           "decode_mlp": mlp, "draft_layers": layers, "draft_attention": draft_attention}  # fmt: skip
                     rows = {}
                     for freeze in args.freeze.split(","):
                         for merge in merges:
@@ -349,12 +355,14 @@ def set_outer(on: bool) -> None:
     SequenceDecoder.compile_tail = on
 
 
-def set_norm_ahead(on: bool) -> None:
+def set_norm_ahead(on: bool, *, decode_mlp: bool = False) -> None:
     """What ``--norm-ahead`` compares: each verifier layer's closing add computed with the next layer's norm
-    (eyas' default, eyas.verifier.norm_ahead), or in its own kernel."""
+    (eyas' default, eyas.verifier.norm_ahead), or in its own kernel; and ``--decode-mlp``: with the norm ahead,
+    each layer's MLP block as eyas' two kernels (eyas.verifier.decode_mlp)."""
     import eyas.verifier.compile as compile_
 
     compile_.NORM_AHEAD = on
+    compile_.DECODE_MLP = decode_mlp
 
 
 @contextlib.contextmanager

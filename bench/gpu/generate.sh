@@ -26,8 +26,9 @@
 # or, in one call of at most about 9 minutes (its timeouts) on the random-weight model, what a plain step and a
 # speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
 # with FlexAttention, the draft's cache read by SDPA and by two matmuls around a masked softmax (DRAFT_ATTN;
-# decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does), and the GPU
-# tests of the speculative loops, the frozen layers and the FlexAttention slot attention:
+# decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does; DECODE_MLP=off,on:
+# each layer's MLP block as inductor compiles it and as eyas' two Triton kernels), and the GPU tests of the
+# speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels:
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py
@@ -37,7 +38,8 @@
 # measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py
 # --blas) and the verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly;
 # decode_profile.py --outer; NORM_AHEAD=off,on: each layer's closing add apart and with the next norm,
-# decode_profile.py --norm-ahead), then the batched engine on 4,096 ShareGPT first turns:
+# decode_profile.py --norm-ahead; DECODE_MLP=off,on: each layer's MLP block as inductor compiles it and as eyas'
+# two Triton kernels, decode_profile.py --decode-mlp), then the batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
@@ -92,7 +94,8 @@ if [ "$mode" = autotune ]; then
   TUNE="$TUNE;triton.enable_pdl=True,coordinate_descent_tuning=True"
   run profile timeout 470 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
     --draft-attention matmul --inductor "${INDUCTOR:-$TUNE}" \
-    --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}" --norm-ahead "${NORM_AHEAD:-on}"
+    --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}" --norm-ahead "${NORM_AHEAD:-on}" \
+    --decode-mlp "${DECODE_MLP:-off}"
   # 470 + 100 s keeps the call inside the device's 600 s with its setup (the batched run took 40 s at b502f3f)
   run regen_4096 timeout 100 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
@@ -114,9 +117,9 @@ if [ "$mode" = merged ]; then
 fi
 if [ "$mode" = rounds ]; then
   run profile timeout 300 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN}
+    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} --decode-mlp "${DECODE_MLP:-off}"
   run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
-    -k "speculative or flex or row_count or frozen"
+    -k "speculative or flex or row_count or frozen or decode_mlp"
   collect
   exit 0
 fi

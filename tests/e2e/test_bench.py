@@ -301,11 +301,12 @@ def test_eval_speedup_smoke(tmp_path):
 def test_decode_profile_smoke(tmp_path):
     """bench/decode_profile.py (a plain step and a speculative round, round by round and fused, timed and
     profiled): every loop decodes what plain decoding does on a tiny random Llama, once per --inductor variant,
-    --outer setting and draft layer count (--norm-ahead's setting named in each row), the draft's cache read as eval reads it on CUDA (SDPA's, eval's
-    on CPU, is every CPU eval test's)."""
+    --outer setting and draft layer count (--norm-ahead's and --decode-mlp's settings named in each row), the
+    draft's cache read as eval reads it on CUDA (SDPA's, eval's on CPU, is every CPU eval test's)."""
     rows = _json_lines([str(BENCH / "decode_profile.py"), "--smoke", "--attention", "sdpa", "--inductor",
                         "default;max_autotune_gemm=True,coordinate_descent_tuning=True;no_such_setting=1",
-                        "--outer", "off,on", "--norm-ahead", "off", "--blas", "default,cublaslt", "--draft-layers", "1,2",
+                        "--outer", "off,on", "--norm-ahead", "off", "--decode-mlp", "on", "--blas", "default,cublaslt",
+                        "--draft-layers", "1,2",
                         "--draft-attention", "matmul", "--max-len", "300"],
                        tmp_path)  # fmt: skip
     tuned = "max_autotune_gemm=True,coordinate_descent_tuning=True"
@@ -328,7 +329,7 @@ def test_decode_profile_smoke(tmp_path):
     ]
     for r in rows:
         assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
-        assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0
+        assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0 and r["decode_mlp"] == "on"
 
 
 def test_decode_profile_batched_smoke(tmp_path):

@@ -145,6 +145,47 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
     assert any(a.handed for a in model.base_model.__dict__["_eyas_norm_ahead"].values())
 
 
+def test_decode_mlp_kernels_decode_as_eager(make_tiny, monkeypatch):
+    """With each layer's MLP block as eyas' two Triton kernels (eyas.verifier.decode_mlp, ``DECODE_MLP``): the
+    kernels give the eager block in bf16 to its rounding, and plain decoding's graphs and speculative rounds (by
+    parts and as one graph; a verification's K + 1 rows) decode what eager forwards decode (fp32), with the
+    kernels in the graphs."""
+    import eyas.verifier.compile as compile_
+    from eyas.engine.generate import SequenceDecoder
+    from eyas.verifier.decode_mlp import decode_mlp, fits
+
+    t = make_tiny("llama")
+    info = resolve(t.path)
+    bf16 = build_text_model(info, dtype=torch.bfloat16, device="cuda")
+    layer = bf16.base_model.layers[0]
+    for rows in (1, 4, 16):
+        residual, attn = (torch.randn(1, rows, bf16.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(2))  # fmt: skip
+        assert fits(layer.post_attention_layernorm, layer.mlp, residual)
+        with torch.no_grad():
+            s = residual + attn
+            want = s + layer.mlp(layer.post_attention_layernorm(s))
+            got = decode_mlp(layer.post_attention_layernorm, layer.mlp, residual, attn)
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+    monkeypatch.setattr(compile_, "DECODE_MLP", True)
+    model = build_text_model(info, device="cuda")
+    graphed = SequenceDecoder(model, capacity=400, cuda_graphs=True)
+    eager = SequenceDecoder(model, capacity=400, cuda_graphs=False)
+    draft = random_draft(info, seed=0, device="cuda")
+    draft.t2d.fill_(True)
+    r = Runners.build(model, draft, draft_tokens=[3], max_len=600, fused_rounds=True)
+    for p in _prompts(3, seed=11):
+        want = plain_generate(eager, p, max_new_tokens=120, eos_ids=set()).tokens
+        assert plain_generate(graphed, p, max_new_tokens=120, eos_ids=set()).tokens == want
+        for fused in (False, True):
+            s = speculative_generate(r.spec, r.draft, p, max_new_tokens=120, draft_tokens=3, eos_ids=set(),
+                                     fused=fused)  # fmt: skip
+            assert s.tokens == want
+    assert graphed.graphs.enabled and graphed.graphs.compile_model is not None  # no fallback
+    ahead = [a for a in model.base_model.__dict__["_eyas_norm_ahead"].values() if a.mlp_kernels]
+    assert ahead and all(any(a._fits.values()) for a in ahead)  # the kernels ran in the compiled layers
+
+
 def test_frozen_layers_decode_as_eager(make_tiny):
     """Batch-1 decoding with the verifier's layers and the draft compiled frozen (weights as constants; `eyas
     eval --freeze`, where the copies are cheap): plain decoding and speculative rounds (round by round and each
@@ -193,7 +234,9 @@ def test_frozen_layers_decode_as_eager(make_tiny):
         out[graphs] = runs
         assert r.base.graphs.freeze == r.spec.graphs.freeze == r.draft.frozen == graphs
         assert r.base.graphs.enabled == r.draft.graphs.enabled == graphs  # no fallback, to eager or uncompiled
-        assert (r.base.graphs.compile_model is not None) == graphs and (r.draft._compiled is not None) == graphs
+        assert (r.base.graphs.compile_model is not None) == graphs and (
+            r.draft.compiled_forward.compiled is not None
+        ) == graphs
     assert out[True] == out[False]
 
 

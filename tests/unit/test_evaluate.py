@@ -789,7 +789,7 @@ def test_compiled_draft_decodes_what_the_eager_one_does(setups, freeze):
             got = speculative_generate(spec, compiled, ids, max_new_tokens=24, draft_tokens=K, eos_ids=eos,
                                        fused=fused)  # fmt: skip
             assert (got.tokens, got.accepted, got.proposals) == (want.tokens, want.accepted, want.proposals)
-    assert compiled._compiled.compiled is not None and compiled.outcome.compiled is not None  # none fell back
+    assert compiled.compiled_forward.compiled is not None and compiled.outcome.compiled is not None  # none fell back
     aux = torch.randn(1, 2, 3 * info.hidden_size, generator=torch.Generator().manual_seed(5))
     ids, pos = torch.tensor([[5, 7]]), torch.tensor([[3, 4]])
     for dr in (eager, compiled):
@@ -847,11 +847,11 @@ def test_a_draft_that_fails_to_compile_decodes_eagerly(setups, capsys):
     def fail(*args):
         raise RuntimeError("inductor: no C++ compiler found\nmore detail")
 
-    broken._compiled.compiled = broken.outcome.compiled = fail
+    broken.compiled_forward.compiled = broken.outcome.compiled = fail
     want = speculative_generate(spec, DraftRunner(draft), prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
     got = speculative_generate(spec, broken, prompts[0], max_new_tokens=16, draft_tokens=K, eos_ids=eos)
     assert (got.tokens, got.accepted) == (want.tokens, want.accepted)
-    assert broken._compiled.compiled is None and broken.outcome.compiled is None
+    assert broken.compiled_forward.compiled is None and broken.outcome.compiled is None
     err = capsys.readouterr().err
     for what in ("the draft's forward", "a round's acceptance"):
         assert err.count(f"{what} without torch.compile (RuntimeError: inductor: no C++ compiler found)") == 1

@@ -4,14 +4,10 @@ clip folded into the fused AdamW against ``clip_grad_norm_``."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import in_child
 
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.training.precision import WorkingLinear, use_working_weights
@@ -232,22 +228,8 @@ def _fused_adamw_run(monkeypatch, *, interpret: bool):
     return ours, opt, ref, ref_opt
 
 
-# `make setup` installs Triton (for its interpreter: the kernel runs on CPU tensors) in a dir of its own, which
-# only a child process puts on its path: torch in this process never sees Triton without a GPU.
-TRITON_DIR = Path(sys.prefix) / "triton-3.6.0"
-
-
 def test_fused_adamw_kernel_equals_torch_adamw_and_writes_the_working_copies(monkeypatch, request):
-    if importlib.util.find_spec("triton") is None:
-        if not TRITON_DIR.is_dir():
-            pytest.skip(f"Triton is not installed ({TRITON_DIR}: `make setup` puts it there)")
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(TRITON_DIR), os.environ.get("PYTHONPATH")])),
-        }
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                           cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    if in_child(request, monkeypatch):  # Triton's interpreter, in a child process (tests/triton_interpreter.py)
         return
     ours, opt, ref, ref_opt = _fused_adamw_run(monkeypatch, interpret=True)
     for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):

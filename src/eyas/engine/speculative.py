@@ -144,7 +144,7 @@ class DraftRunner:
             forward = compile_frozen(self._forward) if freeze else \
                 torch.compile(self._forward, dynamic=False, options=compile_options(False))  # fmt: skip
             outcome = torch.compile(greedy_outcome, dynamic=False, options=compile_options(False))
-        self._compiled = CompiledOrEager(self._forward, forward, "the draft's forward")
+        self.compiled_forward = CompiledOrEager(self._forward, forward, "the draft's forward")
         # a greedy round's acceptance compiled with the draft: its argmax, then one or two kernels where eagerly
         # the comparison, the running product, the sum, the gather and the concatenations are eight launches
         self.outcome = CompiledOrEager(greedy_outcome, outcome, "a round's acceptance")
@@ -182,7 +182,7 @@ class DraftRunner:
              at: torch.Tensor | None = None):  # fmt: skip
         """:meth:`_forward` at a fixed shape: compiled with ``compile`` (eager from the first time compiling fails,
         after one note; the graphs run it twice eagerly before recording, so a failure comes before a capture)."""
-        return self._compiled(input_ids, hidden, position_ids, fuse, at)
+        return self.compiled_forward(input_ids, hidden, position_ids, fuse, at)
 
     def _graphed(self, kind: str, inputs: tuple[torch.Tensor, ...], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """``fn`` over static copies of ``inputs`` as a CUDA graph keyed by ``kind`` and shape; outputs cloned

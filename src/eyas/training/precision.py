@@ -30,11 +30,12 @@ dims).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eyas.core.triton import interpreting
 
 
 def add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -363,7 +364,7 @@ class FusedAdamW(torch.optim.AdamW):
     def _fast(self) -> bool:
         ps = [p for g in self.param_groups for p in g["params"]]
         # under Triton's interpreter (TRITON_INTERPRET=1) the kernel runs on CPU tensors too: the CPU tests use it
-        anywhere = os.environ.get("TRITON_INTERPRET") == "1"
+        anywhere = interpreting()
         if not ps or not all((p.is_cuda or anywhere) and p.dtype == torch.float32 and p.is_contiguous() for p in ps):
             return False
         if any(

@@ -114,7 +114,7 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
         ahead: list[torch.nn.Module] = []
         if dynamic is False and not freeze and NORM_AHEAD:
             # at fixed shapes (launch-bound), each layer's closing add with the next norm (eyas.verifier.norm_ahead)
-            ahead = stack.enter_context(norm_ahead(model, compile_options(False)))
+            ahead = stack.enter_context(norm_ahead(model, compile_options(False), mlp_kernels=DECODE_MLP))
         with _compiled_forwards(model, [m for m in layers if m not in ahead], dynamic=dynamic, freeze=freeze,
                                 ahead=ahead):  # fmt: skip
             yield
@@ -123,6 +123,11 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
 #: whether :func:`compiled_layers` at fixed shapes hands each layer's closing residual add to the next layer's
 #: norm (:mod:`eyas.verifier.norm_ahead`); bench/decode_profile.py turns it off to measure what it saves
 NORM_AHEAD = True
+
+#: whether, with the norm handed ahead, each layer's MLP block runs as eyas' two Triton kernels where they fit
+#: (:mod:`eyas.verifier.decode_mlp`: five kernels a layer become two); off until measured faster on a GPU
+#: (bench/decode_profile.py --decode-mlp off,on)
+DECODE_MLP = False
 
 
 @contextlib.contextmanager

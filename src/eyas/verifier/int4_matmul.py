@@ -30,9 +30,10 @@ compiled layers) calls it as one opaque kernel.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from eyas.core.triton import interpreting, runs_kernels
 
 #: The Triton tile shapes tried per problem (rows per expert, N, K): small row tiles for decoding, large ones for
 #: prefill-sized batches. Autotuned once per shape on first use (outside any CUDA graph capture: the decoders
@@ -49,27 +50,12 @@ _TILES = [
 ]
 
 
-def interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``): the kernel then runs on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def supported(x: torch.Tensor, K: int, group: int) -> bool:
     """Whether the kernel multiplies ``x`` by int4 weights of ``K`` inputs in groups of ``group``: Triton
     importable, a CUDA tensor (or the interpreter), bf16 or fp16 rows, groups a power of two of at most 128
     dividing ``K`` in tiles of 64."""
-    on = x.device.type == "cuda" or interpreting()
     shapes = group in (16, 32, 64, 128) and K % max(64, group) == 0
-    return on and shapes and x.dtype in (torch.bfloat16, torch.float16) and _triton_ok()
+    return runs_kernels(x) and shapes and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @functools.cache

@@ -20,12 +20,14 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from eyas.verifier.decode_mlp import decode_mlp, fits
+from eyas.verifier.source import body, function_ast
 
 #: the pre-norm decoder layer's forward, statement for statement (``...``: the attention's arguments, checked
 #: apart); how transformers writes LlamaDecoderLayer.forward and the layers copied from it
@@ -48,25 +50,20 @@ def prenorm_signature(cls: type) -> inspect.Signature | None:
     docstring aside) and its attention is called with ``hidden_states=hidden_states``, every other parameter
     passed on under its own name and ``**kwargs`` (which it must take); else None. Then ``self.self_attn(hidden_states=x,
     **bound)``, with the forward's arguments bound to it (defaults applied), is the call the layer makes."""
-    try:
-        fn = inspect.unwrap(cls.forward)  # past a decorator that renames arguments (functools.wraps)
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    f = function_ast(cls.forward)
+    if f is None:
         return None
-    f = tree.body[0]
-    if not isinstance(f, ast.FunctionDef):
+    stmts = body(f)
+    if len(stmts) != len(_PRENORM):
         return None
-    body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if len(body) != len(_PRENORM):
-        return None
-    call = body[2].value if isinstance(body[2], ast.Assign) else None
+    call = stmts[2].value if isinstance(stmts[2], ast.Assign) else None
     if not isinstance(call, ast.Call) or call.args:
         return None
-    shown = [ast.unparse(s) for s in body]
+    shown = [ast.unparse(s) for s in stmts]
     shown[2] = shown[2].split("(")[0] + "(...)"
     if shown != _PRENORM:
         return None
-    sig = inspect.signature(fn)
+    sig = inspect.signature(inspect.unwrap(cls.forward))  # past a decorator that renames arguments (functools.wraps)
     params = list(sig.parameters.values())[1:]  # self
     if not params or params[0].name != "hidden_states":
         return None
@@ -81,11 +78,16 @@ def prenorm_signature(cls: type) -> inspect.Signature | None:
     return sig.replace(parameters=params)
 
 
-def _layer_and_next_norm(layer, next_norm, hidden_states, normed, **attention_kwargs):
+def _layer_and_next_norm(layer, next_norm, hidden_states, normed, mlp_kernels: bool, **attention_kwargs):
     """The pre-norm layer's forward from its input and that input's norm (``normed``) -> (the layer's output,
-    ``next_norm`` of it): :data:`_PRENORM`'s statements, with the input norm given and the next one added."""
+    ``next_norm`` of it): :data:`_PRENORM`'s statements, with the input norm given and the next one added. With
+    ``mlp_kernels`` the second half (the residual add, the norm, the MLP, the closing add) runs as eyas' two
+    kernels (:func:`eyas.verifier.decode_mlp.decode_mlp`)."""
     residual = hidden_states
     hidden_states, _ = layer.self_attn(hidden_states=normed, **attention_kwargs)
+    if mlp_kernels:
+        hidden_states = decode_mlp(layer.post_attention_layernorm, layer.mlp, residual, hidden_states)
+        return hidden_states, _norm(next_norm, hidden_states)
     hidden_states = residual + hidden_states
     residual = hidden_states
     hidden_states = layer.post_attention_layernorm(hidden_states)
@@ -98,11 +100,23 @@ class NormAhead:
     """The forwards that :func:`norm_ahead` sets on a model's layers and final norm, and the norm handed from
     one layer to the next (``ahead``: the last layer output and its next norm)."""
 
-    def __init__(self, options: dict) -> None:
+    def __init__(self, options: dict, *, mlp_kernels: bool = False) -> None:
         self.body = torch.compile(_layer_and_next_norm, dynamic=False, options=dict(options))
         self.norm = torch.compile(_norm, dynamic=False, options=dict(options))
         self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
         self.handed = 0  # norms read from the layer before (what a test checks)
+        self.mlp_kernels = mlp_kernels
+        self._fits: dict[tuple, bool] = {}
+
+    def _mlp_kernels(self, layer, x: torch.Tensor) -> bool:
+        """Whether ``layer``'s second half runs as eyas' MLP kernels for an input like ``x`` (decided once per
+        layer, rows, dtype and device: the compiled body specialises on it)."""
+        if not self.mlp_kernels:
+            return False
+        key = (id(layer), x.numel() // x.shape[-1], x.dtype, x.device)
+        if key not in self._fits:
+            self._fits[key] = fits(layer.post_attention_layernorm, layer.mlp, x)
+        return self._fits[key]
 
     def take(self, x: torch.Tensor) -> torch.Tensor | None:
         """The norm computed ahead for ``x``, where ``x`` is the tensor it was computed from."""
@@ -124,7 +138,7 @@ class NormAhead:
             normed = self.take(x)
             if normed is None:  # the first layer, or an input that is not the layer before's output
                 normed = self.norm(layer.input_layernorm, x)
-            out, next_normed = self.body(layer, next_norm, x, normed, **kw)
+            out, next_normed = self.body(layer, next_norm, x, normed, self._mlp_kernels(layer, x), **kw)
             self.ahead = (out, next_normed)
             return out
 
@@ -145,12 +159,13 @@ def _norm(norm, x):
 
 
 @contextmanager
-def norm_ahead(model, options: dict) -> Iterator[list[torch.nn.Module]]:
+def norm_ahead(model, options: dict, *, mlp_kernels: bool = False) -> Iterator[list[torch.nn.Module]]:
     """Inside the block, when every decoder layer of ``model`` has the pre-norm pattern's forward
     (:func:`prenorm_signature`), each runs as :func:`_layer_and_next_norm` compiled at fixed shapes with
-    inductor's ``options``, and the final norm reads what the last layer computed ahead. Yields the modules whose
-    forward it set: none where a layer is of another kind or a forward is already set on an instance
-    (accelerate's hooks), which keeps the model as it is."""
+    inductor's ``options``, and the final norm reads what the last layer computed ahead; with ``mlp_kernels``,
+    each layer's second half runs as eyas' MLP kernels where they fit (:func:`eyas.verifier.decode_mlp.fits`).
+    Yields the modules whose forward it set: none where a layer is of another kind or a forward is already set
+    on an instance (accelerate's hooks), which keeps the model as it is."""
     base = model.base_model
     layers = list(base.layers)
     final = getattr(base, "norm", None)
@@ -162,9 +177,9 @@ def norm_ahead(model, options: dict) -> Iterator[list[torch.nn.Module]]:
     # one NormAhead (its compiled functions) per model and options: dynamo reuses a compiled version only for the
     # same compiled function, so a new one at every block would compile again
     kept = base.__dict__.setdefault("_eyas_norm_ahead", {})
-    key = repr(sorted(options.items(), key=lambda kv: kv[0]))
+    key = repr((sorted(options.items(), key=lambda kv: kv[0]), mlp_kernels))
     if key not in kept:
-        kept[key] = NormAhead(options)
+        kept[key] = NormAhead(options, mlp_kernels=mlp_kernels)
     ahead = kept[key]
     nexts = [m.input_layernorm for m in layers[1:]] + [final]
     for m, nxt, sig in zip(layers, nexts, sigs):

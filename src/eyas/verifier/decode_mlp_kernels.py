@@ -1,0 +1,97 @@
+"""The Triton kernels of :mod:`eyas.verifier.decode_mlp` (imported only where Triton is: a module of its own, since
+a kernel calls its helpers through the module's globals). See that module for what they compute and why."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: tiles tried per shape (outputs a program takes, the reduction's step, warps), autotuned once per shape
+TILES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)]
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's input rows and outputs, and their masks."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
+def _summed(res_ptr, attn_ptr, offs, mask, dt: tl.constexpr):
+    """The residual plus the attention output at ``offs``, rounded to the model's dtype as eager's add rounds
+    it, in fp32."""
+    s = tl.load(res_ptr + offs, mask=mask, other=0.0) + tl.load(attn_ptr + offs, mask=mask, other=0.0)
+    return s.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b^T`` (fp32 accumulation; fp32 operands in fp32, not TF32)."""
+    if IEEE:
+        out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(b), acc)
+    return out
+
+
+@triton.jit
+def _gate_up_kernel(res_ptr, attn_ptr, nw_ptr, g_ptr, u_ptr, h_ptr, M, N, eps, stride_x, stride_w, stride_h,
+                    K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    dt = h_ptr.dtype.element_ty
+    rm, rn, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    # the norm's statistic over the whole row: the mean square of the residual sum
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        s = _summed(res_ptr, attn_ptr, rm[:, None] * stride_x + rk[None, :], mask_m[:, None] & (rk < K)[None, :], dt)
+        ss += tl.sum(s * s, 1)
+    rstd = 1.0 / tl.sqrt(ss / K + eps)  # [BM]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = rk < K
+        s = _summed(res_ptr, attn_ptr, rm[:, None] * stride_x + rk[None, :], mask_m[:, None] & mk[None, :], dt)
+        nw = tl.load(nw_ptr + rk, mask=mk, other=0.0)
+        x = nw[None, :] * (s * rstd[:, None]).to(dt)  # the norm's output: weight * normed, in the model's dtype
+        mw = mask_n[:, None] & mk[None, :]
+        w_offs = rn[:, None] * stride_w + rk[None, :]
+        acc_g = _dot(x, tl.load(g_ptr + w_offs, mask=mw, other=0.0), acc_g, IEEE)
+        acc_u = _dot(x, tl.load(u_ptr + w_offs, mask=mw, other=0.0), acc_u, IEEE)
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # SiLU, rounded as its eager output is
+    h_offs = rm[:, None] * stride_h + rn[None, :]
+    tl.store(h_ptr + h_offs, (act * u).to(dt), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, d_ptr, res_ptr, attn_ptr, out_ptr, M, N, stride_h, stride_w, stride_x,
+                 K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    dt = out_ptr.dtype.element_ty
+    rm, rn, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = rk < K
+        h = tl.load(h_ptr + rm[:, None] * stride_h + rk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
+        w = tl.load(d_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
+        acc = _dot(h, w, acc, IEEE)
+    mo = mask_m[:, None] & mask_n[None, :]
+    offs = rm[:, None] * stride_x + rn[None, :]
+    out = _summed(res_ptr, attn_ptr, offs, mo, dt) + acc.to(dt).to(tl.float32)  # residual + down, each rounded
+    tl.store(out_ptr + offs, out.to(dt), mask=mo)
+
+
+def _tuned(fn):
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in TILES]
+    return triton.autotune(configs=configs, key=["N"])(fn)  # K is a constexpr: a kernel per K
+
+
+#: each kernel as written (the interpreter's) and autotuned over :data:`TILES` (the GPU's)
+KERNELS = {"gate_up": _gate_up_kernel, "down": _down_kernel}
+TUNED = {name: _tuned(fn) for name, fn in KERNELS.items()}
