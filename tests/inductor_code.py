@@ -17,6 +17,15 @@ MATMUL = re.compile(
 )
 
 
+#: a kernel inductor generated (Triton on CUDA, C++ on CPU): its name, where the output code compiles it
+KERNEL = re.compile(r"^(\w+) = async_compile\.", re.M)
+
+
+def kernels(code: str) -> list[str]:
+    """The names of the kernels one graph's output code compiles, in order (extern matmuls and custom ops aside)."""
+    return KERNEL.findall(code)
+
+
 def output_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
     """``fn()`` and the output code of every graph compiled while it ran. Dynamo's caches are cleared first, so
     nothing compiled by an earlier test is reused, as ``torch._inductor.utils.run_and_get_code`` does; unlike it,

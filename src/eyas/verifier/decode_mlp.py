@@ -41,20 +41,22 @@ from eyas.verifier.source import statements
 MAX_ROWS = 16
 
 #: LlamaRMSNorm.forward and LlamaMLP.forward, statement for statement (transformers' models copy them)
-_NORM = [
+_NORM = (
     "input_dtype = hidden_states.dtype",
     "hidden_states = hidden_states.to(torch.float32)",
     "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
     "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
     "return self.weight * hidden_states.to(input_dtype)",
-]
-_MLP = ["down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"]
+)
+_MLP = ("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj")
 _SILU = ("SiLU", "SiLUActivation")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
 def _pattern(cls: type, body: tuple[str, ...]) -> bool:
-    return statements(cls.forward) == list(body)
+    """Whether ``cls.forward`` is ``body``, statement for statement (read once per class)."""
+    return tuple(statements(cls.forward) or ()) == body
 
 
 def _plain_weight(linear) -> torch.Tensor | None:
@@ -68,13 +70,14 @@ def _plain_weight(linear) -> torch.Tensor | None:
 
 
 def fits(norm, mlp, x: torch.Tensor) -> bool:
-    """Whether :func:`decode_mlp` computes ``x + mlp(norm(x))`` for ``norm``, ``mlp`` and an input like ``x``:
+    """Whether :func:`decode_mlp` computes ``s + mlp(norm(s))`` (``s = residual + attn``) for ``norm``, ``mlp``
+    and a residual like ``x``:
     Llama's RMSNorm and gated SiLU MLP (by their source), weights without bias of ``x``'s dtype on its device,
     at most :data:`MAX_ROWS` rows, on CUDA or under Triton's interpreter."""
     rows = x.numel() // x.shape[-1]
     if not runs_kernels(x) or rows > MAX_ROWS or x.dtype not in _DTYPES:
         return False
-    if not (_pattern(type(norm), tuple(_NORM)) and _pattern(type(mlp), tuple(_MLP))):
+    if not (_pattern(type(norm), _NORM) and _pattern(type(mlp), _MLP)):
         return False
     if type(mlp.act_fn).__name__ not in _SILU or getattr(norm, "weight", None) is None:
         return False
@@ -85,9 +88,6 @@ def fits(norm, mlp, x: torch.Tensor) -> bool:
     H = x.shape[-1]
     shapes = g.shape == u.shape and g.shape[1] == H and tuple(d.shape) == (H, g.shape[0])
     return shapes and all(w.dtype == x.dtype and w.device == x.device for w in (*weights, norm.weight))
-
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _launch(name: str, args: tuple, N: int, K: int) -> None:

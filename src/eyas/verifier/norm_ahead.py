@@ -87,12 +87,12 @@ def _layer_and_next_norm(layer, next_norm, hidden_states, normed, mlp_kernels: b
     hidden_states, _ = layer.self_attn(hidden_states=normed, **attention_kwargs)
     if mlp_kernels:
         hidden_states = decode_mlp(layer.post_attention_layernorm, layer.mlp, residual, hidden_states)
-        return hidden_states, _norm(next_norm, hidden_states)
-    hidden_states = residual + hidden_states
-    residual = hidden_states
-    hidden_states = layer.post_attention_layernorm(hidden_states)
-    hidden_states = layer.mlp(hidden_states)
-    hidden_states = residual + hidden_states
+    else:
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = layer.post_attention_layernorm(hidden_states)
+        hidden_states = layer.mlp(hidden_states)
+        hidden_states = residual + hidden_states
     return hidden_states, _norm(next_norm, hidden_states)
 
 
