@@ -90,22 +90,24 @@ def fits(norm, mlp, x: torch.Tensor) -> bool:
     return shapes and all(w.dtype == x.dtype and w.device == x.device for w in (*weights, norm.weight))
 
 
-def _launch(name: str, args: tuple, N: int, K: int) -> None:
-    """Kernel ``name`` over ``N`` outputs a row and ``K`` inputs (a compile-time constant: the reduction's trip
-    count, and Triton's interpreter cannot step a loop by a runtime bound under NumPy 2)."""
+def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
+    """Kernel ``name`` over ``M`` rows, ``N`` outputs a row and ``K`` inputs (a compile-time constant: the
+    reduction's trip count, and Triton's interpreter cannot step a loop by a runtime bound under NumPy 2). One row
+    takes the kernels' sum-of-products form (``BLOCK_M`` 1), more rows ``tl.dot`` tiles of :data:`MAX_ROWS`."""
     import triton
 
-    from eyas.verifier.decode_mlp_kernels import KERNELS, TUNED
+    from eyas.verifier.decode_mlp_kernels import KERNELS, TUNED, TUNED_ROW
 
     ieee = args[0].dtype == torch.float32  # fp32 models multiply in fp32, not TF32
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
 
+    block_m = 1 if M == 1 else MAX_ROWS
     if interpreting():  # the CPU interpreter: one tile, no timing
-        KERNELS[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=MAX_ROWS, BLOCK_N=16, BLOCK_K=64)
+        KERNELS[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
     else:
-        TUNED[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=MAX_ROWS)
+        (TUNED_ROW if M == 1 else TUNED)[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=block_m)
 
 
 @torch.library.custom_op("eyas::decode_gate_up", mutates_args=())
@@ -115,7 +117,7 @@ def _decode_gate_up(residual: torch.Tensor, attn: torch.Tensor, norm_weight: tor
     N = gate.shape[0]
     h = residual.new_empty(M, N)
     args = (residual, attn, norm_weight, gate, up, h, M, N, eps, residual.stride(0), gate.stride(0), h.stride(0))
-    _launch("gate_up", args, N, K)
+    _launch("gate_up", args, M, N, K)
     return h
 
 
@@ -129,7 +131,7 @@ def _decode_down(h: torch.Tensor, down: torch.Tensor, residual: torch.Tensor, at
     M, K = h.shape
     N = down.shape[0]
     out = residual.new_empty(M, N)
-    _launch("down", (h, down, residual, attn, out, M, N, h.stride(0), down.stride(0), residual.stride(0)), N, K)
+    _launch("down", (h, down, residual, attn, out, M, N, h.stride(0), down.stride(0), residual.stride(0)), M, N, K)
     return out
 
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: tiles tried per shape (outputs a program takes, the reduction's step, warps), autotuned once per shape
-TILES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)]
+#: tiles tried per shape for several rows (outputs a program takes, the reduction's step, warps), autotuned once
+#: per shape: ``tl.dot`` tiles; a reduction step as wide as the whole row (576 and 1,536 for SmolLM2) issues every
+#: load of a program at once, where a narrower one waits on memory once a step
+TILES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4), (16, 512, 8)]
+#: the same for one row (a decoding step), where the products are summed without ``tl.dot``: fewer outputs a
+#: program, so that more programs read the weights side by side (SmolLM2's down projection has 576 outputs: 36
+#: programs of 16 leave most of an H100's 132 SMs idle)
+ROW_TILES = [(4, 512, 4), (4, 1024, 4), (8, 256, 2), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4),
+             (16, 1024, 8)]
 
 
 @triton.jit
@@ -27,9 +34,13 @@ def _summed(res_ptr, attn_ptr, offs, mask, dt: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """``acc + a @ b^T`` (fp32 accumulation; fp32 operands in fp32, not TF32)."""
-    if IEEE:
+def _dot(a, b, acc, IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc + a @ b^T`` (fp32 accumulation; fp32 operands in fp32, not TF32). ``a``: [BLOCK_M, BK], ``b``:
+    [BN, BK], ``acc``: [BLOCK_M, BN]. One row is a sum of products (a GEMV), since ``tl.dot`` takes at least 16
+    rows, 15 of them padding here."""
+    if BLOCK_M == 1:
+        out = acc + tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)[None, :]  # [1, BK] * [BN, BK] -> [1, BN]
+    elif IEEE:
         out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     else:
         out = tl.dot(a, tl.trans(b), acc)
@@ -59,8 +70,8 @@ def _gate_up_kernel(res_ptr, attn_ptr, nw_ptr, g_ptr, u_ptr, h_ptr, M, N, eps, s
         x = nw[None, :] * (s * rstd[:, None]).to(dt)  # the norm's output: weight * normed, in the model's dtype
         mw = mask_n[:, None] & mk[None, :]
         w_offs = rn[:, None] * stride_w + rk[None, :]
-        acc_g = _dot(x, tl.load(g_ptr + w_offs, mask=mw, other=0.0), acc_g, IEEE)
-        acc_u = _dot(x, tl.load(u_ptr + w_offs, mask=mw, other=0.0), acc_u, IEEE)
+        acc_g = _dot(x, tl.load(g_ptr + w_offs, mask=mw, other=0.0), acc_g, IEEE, BLOCK_M)
+        acc_u = _dot(x, tl.load(u_ptr + w_offs, mask=mw, other=0.0), acc_u, IEEE, BLOCK_M)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # SiLU, rounded as its eager output is
@@ -80,18 +91,20 @@ def _down_kernel(h_ptr, d_ptr, res_ptr, attn_ptr, out_ptr, M, N, stride_h, strid
         mk = rk < K
         h = tl.load(h_ptr + rm[:, None] * stride_h + rk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
         w = tl.load(d_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
-        acc = _dot(h, w, acc, IEEE)
+        acc = _dot(h, w, acc, IEEE, BLOCK_M)
     mo = mask_m[:, None] & mask_n[None, :]
     offs = rm[:, None] * stride_x + rn[None, :]
     out = _summed(res_ptr, attn_ptr, offs, mo, dt) + acc.to(dt).to(tl.float32)  # residual + down, each rounded
     tl.store(out_ptr + offs, out.to(dt), mask=mo)
 
 
-def _tuned(fn):
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in TILES]
-    return triton.autotune(configs=configs, key=["N"])(fn)  # K is a constexpr: a kernel per K
+def _tuned(fn, tiles):
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in tiles]
+    return triton.autotune(configs=configs, key=["N", "M"])(fn)  # K is a constexpr: a kernel per K
 
 
-#: each kernel as written (the interpreter's) and autotuned over :data:`TILES` (the GPU's)
+#: each kernel as written (the interpreter's) and autotuned (the GPU's): over :data:`TILES` for several rows,
+#: over :data:`ROW_TILES` for one
 KERNELS = {"gate_up": _gate_up_kernel, "down": _down_kernel}
-TUNED = {name: _tuned(fn) for name, fn in KERNELS.items()}
+TUNED = {name: _tuned(fn, TILES) for name, fn in KERNELS.items()}
+TUNED_ROW = {name: _tuned(fn, ROW_TILES) for name, fn in KERNELS.items()}
