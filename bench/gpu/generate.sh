@@ -29,7 +29,7 @@
 # decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does; DECODE_MLP=off,on:
 # each layer's MLP block as inductor compiles it and as eyas' two Triton kernels), and the GPU tests of the
 # speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another
-# pytest -k expression, such as decode_mlp alone):
+# pytest -k expression, such as decode_mlp alone; INDUCTOR: inductor settings to compare, as autotune's):
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py
@@ -118,7 +118,8 @@ if [ "$mode" = merged ]; then
 fi
 if [ "$mode" = rounds ]; then
   run profile timeout 300 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} --decode-mlp "${DECODE_MLP:-off}"
+    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} --decode-mlp "${DECODE_MLP:-off}" \
+    --inductor "${INDUCTOR:-default}"
   run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
     -k "${TESTS:-speculative or flex or row_count or frozen or decode_mlp}"
   collect
