@@ -228,8 +228,9 @@ def main() -> None:
         help="off, on, or both (off,on): each layer's closing residual "
         "add computed with the next layer's norm (eyas.verifier.norm_ahead), or in its own kernel",
     )
-    ap.add_argument("--decode-mlp", default="off", help="off, on, or both (off,on): each layer's MLP block as "
-                    "eyas' two Triton kernels (eyas.verifier.decode_mlp) or as inductor compiles it")  # fmt: skip
+    ap.add_argument("--decode-mlp", default="off", help="off, on, nopdl, or several (off,on): each layer's MLP "
+                    "block as inductor compiles it, or as eyas' two Triton kernels (eyas.verifier.decode_mlp), "
+                    "launched with programmatic dependent launch where the GPU has it (on) or without (nopdl)")  # fmt: skip
     ap.add_argument("--blas", default="default", help="the BLAS library of the matmuls (comma-separated): default "
                     "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
@@ -310,7 +311,7 @@ def main() -> None:
                 print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 continue
         set_outer(outer == "on")
-        set_norm_ahead(ahead == "on", decode_mlp=mlp == "on")
+        set_norm_ahead(ahead == "on", decode_mlp=mlp in ("on", "nopdl"), pdl=mlp != "nopdl")
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -355,14 +356,17 @@ def set_outer(on: bool) -> None:
     SequenceDecoder.compile_tail = on
 
 
-def set_norm_ahead(on: bool, *, decode_mlp: bool = False) -> None:
+def set_norm_ahead(on: bool, *, decode_mlp: bool = False, pdl: bool = True) -> None:
     """What ``--norm-ahead`` compares: each verifier layer's closing add computed with the next layer's norm
     (eyas' default, eyas.verifier.norm_ahead), or in its own kernel; and ``--decode-mlp``: with the norm ahead,
-    each layer's MLP block as eyas' two kernels (eyas.verifier.decode_mlp)."""
+    each layer's MLP block as eyas' two kernels (eyas.verifier.decode_mlp), launched with programmatic dependent
+    launch (``pdl``, where the GPU has it) or without."""
     import eyas.verifier.compile as compile_
+    import eyas.verifier.decode_mlp as decode_mlp_
 
     compile_.NORM_AHEAD = on
     compile_.DECODE_MLP = decode_mlp
+    decode_mlp_.PDL = pdl
 
 
 @contextlib.contextmanager

@@ -27,7 +27,8 @@
 # speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
 # with FlexAttention, the draft's cache read by SDPA and by two matmuls around a masked softmax (DRAFT_ATTN;
 # decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does; DECODE_MLP=off,on:
-# each layer's MLP block as inductor compiles it and as eyas' two Triton kernels), and the GPU tests of the
+# each layer's MLP block as inductor compiles it and as eyas' two Triton kernels, nopdl: those kernels launched
+# without programmatic dependent launch), and the GPU tests of the
 # speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another
 # pytest -k expression, such as decode_mlp alone; INDUCTOR: inductor settings to compare, as autotune's):
 #   bash bench/gpu/generate.sh rounds
@@ -117,9 +118,9 @@ if [ "$mode" = merged ]; then
   exit 0
 fi
 if [ "$mode" = rounds ]; then
-  run profile timeout 300 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
-    --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} --decode-mlp "${DECODE_MLP:-off}" \
-    --inductor "${INDUCTOR:-default}"
+  run profile timeout ${PROFILE_TIMEOUT:-300} python3 bench/decode_profile.py --verifier $V --attention flex \
+    --freeze off --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} \
+    --decode-mlp "${DECODE_MLP:-off}" --inductor "${INDUCTOR:-default}"
   run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
     -k "${TESTS:-speculative or flex or row_count or frozen or decode_mlp}"
   collect

@@ -105,9 +105,26 @@ def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
 
     block_m = 1 if M == 1 else MAX_ROWS
     if interpreting():  # the CPU interpreter: one tile, no timing
-        KERNELS[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
+        KERNELS[name][grid](*args, K=K, IEEE=ieee, PDL=False, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
     else:
-        (TUNED_ROW if M == 1 else TUNED)[name][grid](*args, K=K, IEEE=ieee, BLOCK_M=block_m)
+        pdl = _pdl(args[0].device)
+        (TUNED_ROW if M == 1 else TUNED)[name][grid](*args, K=K, IEEE=ieee, PDL=pdl, BLOCK_M=block_m,
+                                                     launch_pdl=pdl)  # fmt: skip
+
+
+#: launch the kernels with programmatic dependent launch where the GPU has it (Hopper on): each starts while the
+#: kernel before it ends and reads its weights meanwhile (about a microsecond of a launch's latency each, where a
+#: decoding step is launch-bound); off: launched as any kernel
+PDL = True
+
+
+@functools.cache
+def _has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _pdl(device: torch.device) -> bool:
+    return PDL and device.type == "cuda" and _has_pdl(device.index if device.index is not None else 0)
 
 
 @torch.library.custom_op("eyas::decode_gate_up", mutates_args=())

@@ -47,11 +47,32 @@ def _dot(a, b, acc, IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL, Hopper on), wait for the kernel before this one, then let the
+    kernel after this one start: every read of an activation and every write comes after it; the weights, which
+    no kernel writes, are read before it, while the kernel before ends."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _weights(w_ptr, rn, mask_n, k0, stride_w, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` tile of a weight at reduction offset ``k0`` (zeros past ``K``: the loops below
+    load one tile past the last, all masked, so that each step's tile is loaded a step ahead)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask_n[:, None] & (rk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gate_up_kernel(res_ptr, attn_ptr, nw_ptr, g_ptr, u_ptr, h_ptr, M, N, eps, stride_x, stride_w, stride_h,
-                    K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+                    K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     dt = h_ptr.dtype.element_ty
     rm, rn, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    wg = _weights(g_ptr, rn, mask_n, 0, stride_w, K, BLOCK_K)
+    wu = _weights(u_ptr, rn, mask_n, 0, stride_w, K, BLOCK_K)
+    _pdl_wait(PDL)
     # the norm's statistic over the whole row: the mean square of the residual sum
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -67,10 +88,10 @@ def _gate_up_kernel(res_ptr, attn_ptr, nw_ptr, g_ptr, u_ptr, h_ptr, M, N, eps, s
         s = _summed(res_ptr, attn_ptr, rm[:, None] * stride_x + rk[None, :], mask_m[:, None] & mk[None, :], dt)
         nw = tl.load(nw_ptr + rk, mask=mk, other=0.0)
         x = nw[None, :] * (s * rstd[:, None]).to(dt)  # the norm's output: weight * normed, in the model's dtype
-        mw = mask_n[:, None] & mk[None, :]
-        w_offs = rn[:, None] * stride_w + rk[None, :]
-        acc_g = _dot(x, tl.load(g_ptr + w_offs, mask=mw, other=0.0), acc_g, IEEE, BLOCK_M)
-        acc_u = _dot(x, tl.load(u_ptr + w_offs, mask=mw, other=0.0), acc_u, IEEE, BLOCK_M)
+        acc_g = _dot(x, wg, acc_g, IEEE, BLOCK_M)
+        acc_u = _dot(x, wu, acc_u, IEEE, BLOCK_M)
+        wg = _weights(g_ptr, rn, mask_n, k0 + BLOCK_K, stride_w, K, BLOCK_K)
+        wu = _weights(u_ptr, rn, mask_n, k0 + BLOCK_K, stride_w, K, BLOCK_K)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # SiLU, rounded as its eager output is
@@ -80,17 +101,19 @@ def _gate_up_kernel(res_ptr, attn_ptr, nw_ptr, g_ptr, u_ptr, h_ptr, M, N, eps, s
 
 @triton.jit
 def _down_kernel(h_ptr, d_ptr, res_ptr, attn_ptr, out_ptr, M, N, stride_h, stride_w, stride_x,
-                 K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+                 K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     dt = out_ptr.dtype.element_ty
     rm, rn, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    w = _weights(d_ptr, rn, mask_n, 0, stride_w, K, BLOCK_K)
+    _pdl_wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         mk = rk < K
         h = tl.load(h_ptr + rm[:, None] * stride_h + rk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
-        w = tl.load(d_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
         acc = _dot(h, w, acc, IEEE, BLOCK_M)
+        w = _weights(d_ptr, rn, mask_n, k0 + BLOCK_K, stride_w, K, BLOCK_K)
     mo = mask_m[:, None] & mask_n[None, :]
     offs = rm[:, None] * stride_x + rn[None, :]
     out = _summed(res_ptr, attn_ptr, offs, mo, dt) + acc.to(dt).to(tl.float32)  # residual + down, each rounded
