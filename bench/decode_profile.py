@@ -93,11 +93,17 @@ from eyas.engine.speculative import plain_generate, speculative_generate  # noqa
 from eyas.verifier.compile import OUTER_MODULES as _OUTER  # noqa: E402
 
 
+#: the longest wait between two kernels of a graph counted as launch latency, not as the GPU waiting on the host
+SHORT_GAP_US = 5.0
+
+
 def kernels(fn, steps: int, top: int = 5) -> dict:
     """``fn`` under torch's profiler: GPU kernels and their time per step, the top five by time, the kernels by
     how many a step launches (what fusing would take away: a step is bound by its kernel count), and every kernel
     a step launches fewer than one a layer of (the work outside the layers' compiled code: what compiling or
-    caching it would save, named)."""
+    caching it would save, named); and where the GPU waits between kernels: the gaps of its timeline summed per
+    step, those of at most :data:`SHORT_GAP_US` (a kernel's launch latency inside a graph) apart from the longer
+    ones (the GPU waiting on the host: a sync, a graph's launch), and the host's time in ``cudaGraphLaunch``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -114,7 +120,13 @@ def kernels(fn, steps: int, top: int = 5) -> dict:
     # a kernel launched a few times a step, not once per layer (SmolLM2 has 30): the rotary table, final norm,
     # head, pick, block masks and position bookkeeping around the layers
     few = sorted((k, n) for k, n in count.items() if n / steps < 8)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in ev)  # us
+    gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
+    launch = sum(e.cpu_time_total for e in prof.events() if e.name.startswith("cudaGraphLaunch"))
     return {"kernels_per_step": len(ev) / steps, "gpu_ms_per_step": sum(by.values()) / 1e3 / steps,
+            "short_gaps_ms_per_step": round(sum(g for g in gaps if g <= SHORT_GAP_US) / 1e3 / steps, 4),
+            "long_gaps_ms_per_step": round(sum(g for g in gaps if g > SHORT_GAP_US) / 1e3 / steps, 4),
+            "graph_launch_ms_per_step": round(launch / 1e3 / steps, 4),
             "top_kernels_ms_per_step": {k[:80]: round(v / 1e3 / steps, 4) for k, v in top},
             "most_launched_per_step": {k[:80]: round(n / steps, 1) for k, n in most},
             "few_per_step": {k[:100]: round(n / steps, 2) for k, n in few}}  # fmt: skip

@@ -330,6 +330,8 @@ def test_decode_profile_smoke(tmp_path):
     for r in rows:
         assert "error" not in r and r["spec_lossless"] is True and r["spec_fused_lossless"] is True, r
         assert r["plain_tokens_per_s"] > 0 and r["spec_fused_ms_per_round"] > 0 and r["decode_mlp"] == "on"
+        gaps = ("short_gaps_ms_per_step", "long_gaps_ms_per_step", "graph_launch_ms_per_step")
+        assert all(r[p][k] >= 0 for p in ("plain_step_profile", "spec_fused_round_profile") for k in gaps), r
 
 
 def test_decode_profile_batched_smoke(tmp_path):
