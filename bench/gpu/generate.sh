@@ -28,9 +28,9 @@
 # with FlexAttention, the draft's cache read by SDPA and by two matmuls around a masked softmax (DRAFT_ATTN;
 # decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does; DECODE_MLP=off,on:
 # each layer's MLP block as inductor compiles it and as eyas' two Triton kernels, nopdl: those kernels launched
-# without programmatic dependent launch), and the GPU tests of the
-# speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another
-# pytest -k expression, such as decode_mlp alone; INDUCTOR: inductor settings to compare, as autotune's):
+# without programmatic dependent launch; INDUCTOR: inductor settings to compare, as autotune's), and the GPU tests
+# of the speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another
+# pytest -k expression, such as decode_mlp alone):
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py

@@ -26,3 +26,14 @@ def triton_available() -> bool:
 def runs_kernels(x: torch.Tensor) -> bool:
     """Whether a Triton kernel can take ``x``: Triton importable, ``x`` on CUDA or the interpreter on."""
     return (x.device.type == "cuda" or interpreting()) and triton_available()
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can start with programmatic dependent launch (CUDA, Hopper on: Triton's
+    ``launch_pdl`` with ``gdc_wait``)."""
+    return device.type == "cuda" and _capability_major(device.index if device.index is not None else 0) >= 9

@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from eyas.core.triton import interpreting, runs_kernels
+from eyas.core.triton import interpreting, pdl_capable, runs_kernels
 from eyas.verifier.source import statements
 
 #: the most rows (tokens) the kernels take: a decoding step's one, a verification's K + 1, FlexAttention's bound
@@ -107,7 +107,7 @@ def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
     if interpreting():  # the CPU interpreter: one tile, no timing
         KERNELS[name][grid](*args, K=K, IEEE=ieee, PDL=False, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
     else:
-        pdl = _pdl(args[0].device)
+        pdl = PDL and pdl_capable(args[0].device)
         (TUNED_ROW if M == 1 else TUNED)[name][grid](*args, K=K, IEEE=ieee, PDL=pdl, BLOCK_M=block_m,
                                                      launch_pdl=pdl)  # fmt: skip
 
@@ -116,15 +116,6 @@ def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
 #: kernel before it ends and reads its weights meanwhile (about a microsecond of a launch's latency each, where a
 #: decoding step is launch-bound); off: launched as any kernel
 PDL = True
-
-
-@functools.cache
-def _has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _pdl(device: torch.device) -> bool:
-    return PDL and device.type == "cuda" and _has_pdl(device.index if device.index is not None else 0)
 
 
 @torch.library.custom_op("eyas::decode_gate_up", mutates_args=())

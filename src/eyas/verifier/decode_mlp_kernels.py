@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 #: tiles tried per shape for several rows (outputs a program takes, the reduction's step, warps), autotuned once
-#: per shape: ``tl.dot`` tiles; a reduction step as wide as the whole row (576 and 1,536 for SmolLM2) issues every
-#: load of a program at once, where a narrower one waits on memory once a step
+#: per shape: ``tl.dot`` tiles; the wider reduction steps (256, 512, against SmolLM2's rows of 576 and 1,536) issue
+#: more of a program's loads at once, where a narrow one waits on memory once a step
 TILES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4), (16, 512, 8)]
 #: the same for one row (a decoding step), where the products are summed without ``tl.dot``: fewer outputs a
 #: program, so that more programs read the weights side by side (SmolLM2's down projection has 576 outputs: 36
