@@ -35,9 +35,11 @@ With ``--norm-ahead off,on`` each variant runs twice: each verifier layer's clos
 kernel, then computed with the next layer's input norm (eyas' default at fixed shapes: eyas.verifier.norm_ahead),
 each row naming which.
 
-With ``--decode-mlp off,on`` each variant runs twice: each verifier layer's MLP block (the residual add, the norm,
-gate/up, SiLU, down, the closing add) as inductor compiles it, then as eyas' two Triton kernels
-(eyas.verifier.decode_mlp; with the norm handed ahead only, where they run), each row naming which.
+With ``--decode-mlp off,on,all`` each variant runs three times: each verifier layer's MLP block (the residual add,
+the norm, gate/up, SiLU, down, the closing add) as inductor compiles it, then as eyas' two Triton kernels in a
+plain step's one row (eyas' default: eyas.verifier.compile.DECODE_MLP_ROWS), then in a verification's K + 1 rows
+too (eyas.verifier.decode_mlp; with the norm handed ahead only, where they run), each row naming which; ``nopdl``
+is ``on`` with the kernels launched without programmatic dependent launch.
 
 With ``--outer off,on`` each variant runs twice: the verifier's modules outside its decoder layers (the rotary
 table and the final norm: eyas.verifier.compile.OUTER_MODULES) and plain decoding's pick and state updates
@@ -240,13 +242,16 @@ def main() -> None:
         help="off, on, or both (off,on): each layer's closing residual "
         "add computed with the next layer's norm (eyas.verifier.norm_ahead), or in its own kernel",
     )
-    ap.add_argument("--decode-mlp", default="off", help="off, on, nopdl, or several (off,on): each layer's MLP "
-                    "block as inductor compiles it, or as eyas' two Triton kernels (eyas.verifier.decode_mlp), "
-                    "launched with programmatic dependent launch where the GPU has it (on) or without (nopdl)")  # fmt: skip
+    ap.add_argument("--decode-mlp", default="on", help="off, on, all, nopdl, or several (off,on): each layer's "
+                    "MLP block as inductor compiles it, or as eyas' two Triton kernels (eyas.verifier.decode_mlp) "
+                    "in one-row forwards (on, eyas' default) or in verifications too (all), launched with "
+                    "programmatic dependent launch where the GPU has it, or without (nopdl: one row)")  # fmt: skip
     ap.add_argument("--blas", default="default", help="the BLAS library of the matmuls (comma-separated): default "
                     "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    if unknown := set(args.decode_mlp.split(",")) - set(DECODE_MLP):
+        ap.error(f"--decode-mlp takes {', '.join(DECODE_MLP)}, got {', '.join(sorted(unknown))}")
     tmp = tempfile.TemporaryDirectory()
     device = None
     if args.smoke:
@@ -323,7 +328,7 @@ def main() -> None:
                 print(json.dumps({"inductor": variant, "blas": blas, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 continue
         set_outer(outer == "on")
-        set_norm_ahead(ahead == "on", decode_mlp=mlp in ("on", "nopdl"), pdl=mlp != "nopdl")
+        set_norm_ahead(ahead == "on", decode_mlp=mlp, pdl=mlp != "nopdl")
         with torch._inductor.config.patch(settings), fixed_shape_options(settings):
             for layers in layer_counts:
                 if args.draft == "random":
@@ -368,17 +373,23 @@ def set_outer(on: bool) -> None:
     SequenceDecoder.compile_tail = on
 
 
-def set_norm_ahead(on: bool, *, decode_mlp: bool = False, pdl: bool = True) -> None:
+def set_norm_ahead(on: bool, *, decode_mlp: str = "on", pdl: bool = True) -> None:
     """What ``--norm-ahead`` compares: each verifier layer's closing add computed with the next layer's norm
     (eyas' default, eyas.verifier.norm_ahead), or in its own kernel; and ``--decode-mlp``: with the norm ahead,
-    each layer's MLP block as eyas' two kernels (eyas.verifier.decode_mlp), launched with programmatic dependent
-    launch (``pdl``, where the GPU has it) or without."""
+    each layer's MLP block as eyas' two kernels (eyas.verifier.decode_mlp) in no forward (``off``), in one-row
+    forwards (``on``, ``nopdl``) or in every forward they fit (``all``), launched with programmatic dependent launch
+    (``pdl``, where the GPU has it) or without."""
     import eyas.verifier.compile as compile_
     import eyas.verifier.decode_mlp as decode_mlp_
 
     compile_.NORM_AHEAD = on
-    compile_.DECODE_MLP = decode_mlp
+    # the most rows a forward may have for its layers to run the kernels
+    compile_.DECODE_MLP_ROWS = {"off": 0, "on": 1, "nopdl": 1, "all": decode_mlp_.MAX_ROWS}[decode_mlp]
     decode_mlp_.PDL = pdl
+
+
+#: --decode-mlp's settings (set_norm_ahead)
+DECODE_MLP = ("off", "on", "all", "nopdl")
 
 
 @contextlib.contextmanager

@@ -26,11 +26,12 @@
 # or, in one call of at most about 9 minutes (its timeouts) on the random-weight model, what a plain step and a
 # speculative round cost (each round's parts graphed, and the whole round as one graph: eyas eval --fused-rounds)
 # with FlexAttention, the draft's cache read by SDPA and by two matmuls around a masked softmax (DRAFT_ATTN;
-# decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does; DECODE_MLP=off,on:
-# each layer's MLP block as inductor compiles it and as eyas' two Triton kernels, nopdl: those kernels launched
-# without programmatic dependent launch; INDUCTOR: inductor settings to compare, as autotune's), and the GPU tests
-# of the speculative loops, the frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another
-# pytest -k expression, such as decode_mlp alone):
+# decode_profile.py --draft-attention; MAX_LEN=986 sizes the caches as eval's MT-Bench run does;
+# DECODE_MLP=off,on,all: each layer's MLP block as inductor compiles it, as eyas' two Triton kernels in one-row
+# forwards (eyas' default) and in verifications too, nopdl: those kernels launched without programmatic dependent
+# launch; INDUCTOR: inductor settings to compare, as autotune's), and the GPU tests of the speculative loops, the
+# frozen layers, the FlexAttention slot attention and the MLP kernels (TESTS: another pytest -k expression, such as
+# decode_mlp alone):
 #   bash bench/gpu/generate.sh rounds
 # or, in one call of at most about 10 minutes on the random-weight model, the plain step and the speculative round
 # (the draft's cache read as eval reads it on CUDA) under each inductor setting of INDUCTOR (bench/decode_profile.py
@@ -40,8 +41,9 @@
 # measured slower at one row), each with its matmuls through cuBLAS and cuBLASLt (BLAS: decode_profile.py
 # --blas) and the verifier's rotary table, final norm and the step's pick compiled (OUTER=off,on: also eagerly;
 # decode_profile.py --outer; NORM_AHEAD=off,on: each layer's closing add apart and with the next norm,
-# decode_profile.py --norm-ahead; DECODE_MLP=off,on: each layer's MLP block as inductor compiles it and as eyas'
-# two Triton kernels, decode_profile.py --decode-mlp), then the batched engine on 4,096 ShareGPT first turns:
+# decode_profile.py --norm-ahead; DECODE_MLP=off,on,all: each layer's MLP block as inductor compiles it and as
+# eyas' two Triton kernels in one-row forwards and in verifications too, decode_profile.py --decode-mlp), then the
+# batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
 # .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
@@ -97,7 +99,7 @@ if [ "$mode" = autotune ]; then
   run profile timeout 470 python3 bench/decode_profile.py --verifier $V --attention flex --freeze off \
     --draft-attention matmul --inductor "${INDUCTOR:-$TUNE}" \
     --outer "${OUTER:-on}" --blas "${BLAS:-default,cublaslt}" --norm-ahead "${NORM_AHEAD:-on}" \
-    --decode-mlp "${DECODE_MLP:-off}"
+    --decode-mlp "${DECODE_MLP:-on}"
   # 470 + 100 s keeps the call inside the device's 600 s with its setup (the batched run took 40 s at b502f3f)
   run regen_4096 timeout 100 python3 bench/regenerate_throughput.py --verifier $V --prompts $P --num-prompts 4096 \
     --max-new-tokens 256 --methods engine
@@ -120,7 +122,7 @@ fi
 if [ "$mode" = rounds ]; then
   run profile timeout ${PROFILE_TIMEOUT:-300} python3 bench/decode_profile.py --verifier $V --attention flex \
     --freeze off --draft-attention ${DRAFT_ATTN:-sdpa,matmul} ${MAX_LEN:+--max-len $MAX_LEN} \
-    --decode-mlp "${DECODE_MLP:-off}" --inductor "${INDUCTOR:-default}"
+    --decode-mlp "${DECODE_MLP:-on}" --inductor "${INDUCTOR:-default}"
   run gpu_tests timeout 220 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_generate_gpu.py \
     -k "${TESTS:-speculative or flex or row_count or frozen or decode_mlp}"
   collect

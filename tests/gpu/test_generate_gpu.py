@@ -146,13 +146,14 @@ def test_plain_decode_graph_equals_eager_and_generate(make_tiny):
 
 
 def test_decode_mlp_kernels_decode_as_eager(make_tiny, monkeypatch):
-    """With each layer's MLP block as eyas' two Triton kernels (eyas.verifier.decode_mlp, ``DECODE_MLP``): the
-    kernels give the eager block in bf16 to its rounding, and plain decoding's graphs and speculative rounds (by
-    parts and as one graph; a verification's K + 1 rows) decode what eager forwards decode (fp32), with the
-    kernels in the graphs."""
+    """With each layer's MLP block as eyas' two Triton kernels (eyas.verifier.decode_mlp) in every forward they fit
+    (``DECODE_MLP_ROWS`` at their most; eyas' default runs them in one-row forwards only): the kernels give the
+    eager block in bf16 to its rounding, and plain decoding's graphs and speculative rounds (by parts and as one
+    graph; a verification's K + 1 rows) decode what eager forwards decode (fp32), with the kernels in the
+    graphs."""
     import eyas.verifier.compile as compile_
     from eyas.engine.generate import SequenceDecoder
-    from eyas.verifier.decode_mlp import decode_mlp, fits
+    from eyas.verifier.decode_mlp import MAX_ROWS, decode_mlp, fits
 
     t = make_tiny("llama")
     info = resolve(t.path)
@@ -167,7 +168,7 @@ def test_decode_mlp_kernels_decode_as_eager(make_tiny, monkeypatch):
             want = s + layer.mlp(layer.post_attention_layernorm(s))
             got = decode_mlp(layer.post_attention_layernorm, layer.mlp, residual, attn)
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
-    monkeypatch.setattr(compile_, "DECODE_MLP", True)
+    monkeypatch.setattr(compile_, "DECODE_MLP_ROWS", MAX_ROWS)
     model = build_text_model(info, device="cuda")
     graphed = SequenceDecoder(model, capacity=400, cuda_graphs=True)
     eager = SequenceDecoder(model, capacity=400, cuda_graphs=False)
@@ -182,7 +183,7 @@ def test_decode_mlp_kernels_decode_as_eager(make_tiny, monkeypatch):
                                      fused=fused)  # fmt: skip
             assert s.tokens == want
     assert graphed.graphs.enabled and graphed.graphs.compile_model is not None  # no fallback
-    ahead = [a for a in model.base_model.__dict__["_eyas_norm_ahead"].values() if a.mlp_kernels]
+    ahead = [a for a in model.base_model.__dict__["_eyas_norm_ahead"].values() if a.mlp_rows]
     assert ahead and all(any(a._fits.values()) for a in ahead)  # the kernels ran in the compiled layers
 
 

@@ -76,10 +76,10 @@ def test_the_kernels_take_only_the_pattern_they_restate(make_tiny, monkeypatch, 
 
 
 def test_a_decoding_step_compiled_with_the_kernels_equals_one_without(make_tiny, monkeypatch, request):
-    """A decoding step at fixed shapes (FlexAttention traced in, the norm handed ahead) with
-    ``DECODE_MLP`` on gives the step's logits without it (fp32), for one token and a verification's four; in
-    inductor's output code every layer calls both kernels, and its own kernels for the MLP block are gone (the
-    layer's code has fewer)."""
+    """A decoding step at fixed shapes (FlexAttention traced in, the norm handed ahead) with the kernels gives the
+    step's logits without them (fp32), for one token and a verification's four; in inductor's output code every
+    layer calls both kernels, and its own kernels for the MLP block are gone (the layer's code has fewer). With
+    ``DECODE_MLP_ROWS`` 1 (eyas' default) the one-token step runs them and the verification does not."""
     if in_child(request, monkeypatch):
         return
     model = build_text_model(resolve(make_tiny("llama").path))
@@ -95,14 +95,15 @@ def test_a_decoding_step_compiled_with_the_kernels_equals_one_without(make_tiny,
 
     for T in (1, 4):
         logits, kernels = {}, {}
-        for on in (False, True):
-            monkeypatch.setattr(compile_, "DECODE_MLP", on)
+        for rows in (0, 1, MAX_ROWS):
+            monkeypatch.setattr(compile_, "DECODE_MLP_ROWS", rows)
             with slot_attention(model, slots), torch.no_grad(), compile_.compiled_layers(model):
-                logits[on], codes = output_code(lambda: step(T))
+                logits[rows], codes = output_code(lambda: step(T))
             layer_codes = [c for c in codes if "flex_attention" in c]
-            (kernels[on],) = {len(kernel_names(c)) for c in layer_codes}
+            (kernels[rows],) = {len(kernel_names(c)) for c in layer_codes}
             for op in ("decode_gate_up", "decode_down"):  # once in each layer's code, or nowhere
-                assert {c.count(f"torch.ops.eyas.{op}.default(") for c in layer_codes} == {int(on)}, op
-        torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
-        assert kernels[True] < kernels[False], kernels
-    assert len(model.base_model.__dict__["_eyas_norm_ahead"]) == 2  # the norm handed ahead, with and without
+                assert {c.count(f"torch.ops.eyas.{op}.default(") for c in layer_codes} == {int(T <= rows)}, op
+        torch.testing.assert_close(logits[MAX_ROWS], logits[0], rtol=1e-5, atol=1e-5)
+        assert kernels[MAX_ROWS] < kernels[0], kernels
+        assert kernels[1] == (kernels[MAX_ROWS] if T == 1 else kernels[0]), kernels
+    assert len(model.base_model.__dict__["_eyas_norm_ahead"]) == 3  # the norm handed ahead, per row setting

@@ -114,7 +114,7 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
         ahead: list[torch.nn.Module] = []
         if dynamic is False and not freeze and NORM_AHEAD:
             # at fixed shapes (launch-bound), each layer's closing add with the next norm (eyas.verifier.norm_ahead)
-            ahead = stack.enter_context(norm_ahead(model, compile_options(False), mlp_kernels=DECODE_MLP))
+            ahead = stack.enter_context(norm_ahead(model, compile_options(False), mlp_rows=DECODE_MLP_ROWS))
         with _compiled_forwards(model, [m for m in layers if m not in ahead], dynamic=dynamic, freeze=freeze,
                                 ahead=ahead):  # fmt: skip
             yield
@@ -124,10 +124,13 @@ def compiled_layers(model, *, dynamic: bool | None = False, freeze: bool = False
 #: norm (:mod:`eyas.verifier.norm_ahead`); bench/decode_profile.py turns it off to measure what it saves
 NORM_AHEAD = True
 
-#: whether, with the norm handed ahead, each layer's MLP block runs as eyas' two Triton kernels where they fit
-#: (:mod:`eyas.verifier.decode_mlp`: five kernels a layer become two); off until measured faster on a GPU
-#: (bench/decode_profile.py --decode-mlp off,on)
-DECODE_MLP = False
+#: with the norm handed ahead, the most rows (tokens) of a forward whose layers run their MLP block as eyas' two
+#: Triton kernels where they fit (:mod:`eyas.verifier.decode_mlp`: five kernels a layer become two); 0: never.
+#: One row, a plain step: on one H100 with SmolLM2-135M-Instruct's weights a plain step took 1.041 ms with them
+#: against 1.091 ms without (961 against 916 tokens/s), while a K=3 round whose verification (4 rows) ran them
+#: took 2.315 against 2.089 ms (docs/BENCHMARKS.md, "The MLP block's kernels on one row"; bench/decode_profile.py
+#: --decode-mlp off,on,all)
+DECODE_MLP_ROWS = 1
 
 
 @contextlib.contextmanager

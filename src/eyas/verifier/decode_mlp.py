@@ -23,8 +23,9 @@ Numerics are the eager layer's: every tensor eager rounds to the model's dtype (
 input, gate, up, SiLU, their product, down, the output) is rounded there too; only the matmuls' summation order
 differs, as between any two GEMM kernels. Used where :func:`fits` says so: a module pair of the pattern
 Llama, Mistral, Qwen2/3 and DeepSeek-V3's dense layers share (checked on their source), on CUDA (or Triton's CPU
-interpreter), inside fixed-shape compiles of :mod:`eyas.verifier.norm_ahead` with
-:data:`eyas.verifier.compile.DECODE_MLP` on. The ops are torch custom ops (``eyas::decode_gate_up``,
+interpreter), inside fixed-shape compiles of :mod:`eyas.verifier.norm_ahead` of forwards of at most
+:data:`eyas.verifier.compile.DECODE_MLP_ROWS` rows (a plain step's one: at a verification's K + 1 rows the
+``tl.dot`` tiles ran slower than cuBLAS). The ops are torch custom ops (``eyas::decode_gate_up``,
 ``eyas::decode_down``): inductor calls each as one opaque kernel, and a CUDA graph captures them.
 """
 

@@ -100,20 +100,21 @@ class NormAhead:
     """The forwards that :func:`norm_ahead` sets on a model's layers and final norm, and the norm handed from
     one layer to the next (``ahead``: the last layer output and its next norm)."""
 
-    def __init__(self, options: dict, *, mlp_kernels: bool = False) -> None:
+    def __init__(self, options: dict, *, mlp_rows: int = 0) -> None:
         self.body = torch.compile(_layer_and_next_norm, dynamic=False, options=dict(options))
         self.norm = torch.compile(_norm, dynamic=False, options=dict(options))
         self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
         self.handed = 0  # norms read from the layer before (what a test checks)
-        self.mlp_kernels = mlp_kernels
+        self.mlp_rows = mlp_rows
         self._fits: dict[tuple, bool] = {}
 
     def _mlp_kernels(self, layer, x: torch.Tensor) -> bool:
-        """Whether ``layer``'s second half runs as eyas' MLP kernels for an input like ``x`` (decided once per
-        layer, rows, dtype and device: the compiled body specialises on it)."""
-        if not self.mlp_kernels:
+        """Whether ``layer``'s second half runs as eyas' MLP kernels for an input like ``x``: at most ``mlp_rows``
+        rows, where they fit (decided once per layer, rows, dtype and device: the compiled body specialises on it)."""
+        rows = x.numel() // x.shape[-1]
+        if rows > self.mlp_rows:
             return False
-        key = (id(layer), x.numel() // x.shape[-1], x.dtype, x.device)
+        key = (id(layer), rows, x.dtype, x.device)
         if key not in self._fits:
             self._fits[key] = fits(layer.post_attention_layernorm, layer.mlp, x)
         return self._fits[key]
@@ -159,11 +160,12 @@ def _norm(norm, x):
 
 
 @contextmanager
-def norm_ahead(model, options: dict, *, mlp_kernels: bool = False) -> Iterator[list[torch.nn.Module]]:
+def norm_ahead(model, options: dict, *, mlp_rows: int = 0) -> Iterator[list[torch.nn.Module]]:
     """Inside the block, when every decoder layer of ``model`` has the pre-norm pattern's forward
     (:func:`prenorm_signature`), each runs as :func:`_layer_and_next_norm` compiled at fixed shapes with
-    inductor's ``options``, and the final norm reads what the last layer computed ahead; with ``mlp_kernels``,
-    each layer's second half runs as eyas' MLP kernels where they fit (:func:`eyas.verifier.decode_mlp.fits`).
+    inductor's ``options``, and the final norm reads what the last layer computed ahead; in a forward of at most
+    ``mlp_rows`` rows, each layer's second half runs as eyas' MLP kernels where they fit
+    (:func:`eyas.verifier.decode_mlp.fits`).
     Yields the modules whose forward it set: none where a layer is of another kind or a forward is already set
     on an instance (accelerate's hooks), which keeps the model as it is."""
     base = model.base_model
@@ -177,9 +179,9 @@ def norm_ahead(model, options: dict, *, mlp_kernels: bool = False) -> Iterator[l
     # one NormAhead (its compiled functions) per model and options: dynamo reuses a compiled version only for the
     # same compiled function, so a new one at every block would compile again
     kept = base.__dict__.setdefault("_eyas_norm_ahead", {})
-    key = repr((sorted(options.items(), key=lambda kv: kv[0]), mlp_kernels))
+    key = repr((sorted(options.items(), key=lambda kv: kv[0]), mlp_rows))
     if key not in kept:
-        kept[key] = NormAhead(options, mlp_kernels=mlp_kernels)
+        kept[key] = NormAhead(options, mlp_rows=mlp_rows)
     ahead = kept[key]
     nexts = [m.input_layernorm for m in layers[1:]] + [final]
     for m, nxt, sig in zip(layers, nexts, sigs):
