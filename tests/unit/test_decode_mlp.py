@@ -25,8 +25,9 @@ def _second_half(layer, residual, attn):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_kernels_equal_the_eager_mlp_block(make_tiny, monkeypatch, request, dtype):
     """The residual add, the norm, gate/up, SiLU, down and the closing add in two kernels give the eager layer's
-    output for 1, 4 and 16 rows, over plain and merged projections: in fp16 bit for bit (every rounding eager
-    makes is made; the interpreter's matmul sums in eager's order at these sizes), in fp32 to rounding."""
+    output for 1, 3 and 4 rows (sums of products) and 16 (``tl.dot`` tiles), over plain and merged projections:
+    in fp16 bit for bit (every rounding eager makes is made; the interpreter's matmul sums in eager's order at
+    these sizes), in fp32 to rounding."""
     if in_child(request, monkeypatch):
         return
     for name in ("llama", "qwen3"):
@@ -36,7 +37,7 @@ def test_the_kernels_equal_the_eager_mlp_block(make_tiny, monkeypatch, request, 
             if merged:
                 assert merge_projections(model) > 0
             layer = model.base_model.layers[-1]
-            for rows in (1, 4, MAX_ROWS):
+            for rows in (1, 3, 4, MAX_ROWS):
                 g = torch.Generator().manual_seed(rows)
                 residual, attn = (torch.randn(1, rows, H, generator=g).to(dtype) for _ in range(2))
                 assert fits(layer.post_attention_layernorm, layer.mlp, residual)

@@ -129,7 +129,8 @@ NORM_AHEAD = True
 #: One row, a plain step: on one H100 with SmolLM2-135M-Instruct's weights a plain step took 1.041 ms with them
 #: against 1.091 ms without (961 against 916 tokens/s), while a K=3 round whose verification (4 rows) ran them
 #: took 2.315 against 2.089 ms (docs/BENCHMARKS.md, "The MLP block's kernels on one row"; bench/decode_profile.py
-#: --decode-mlp off,on,all)
+#: --decode-mlp off,on,all). Those four rows ran ``tl.dot`` tiles of 16; they are summed as products since, as one
+#: row is (:data:`eyas.verifier.decode_mlp.FEW_ROWS`), not yet timed: ``--decode-mlp all`` measures it
 DECODE_MLP_ROWS = 1
 
 

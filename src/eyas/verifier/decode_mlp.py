@@ -94,23 +94,30 @@ def fits(norm, mlp, x: torch.Tensor) -> bool:
 def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
     """Kernel ``name`` over ``M`` rows, ``N`` outputs a row and ``K`` inputs (a compile-time constant: the
     reduction's trip count, and Triton's interpreter cannot step a loop by a runtime bound under NumPy 2). One row
-    takes the kernels' sum-of-products form (``BLOCK_M`` 1), more rows ``tl.dot`` tiles of :data:`MAX_ROWS`."""
+    and up to :data:`FEW_ROWS` take the kernels' sum-of-products form (``BLOCK_M`` the rows' next power of two),
+    more rows ``tl.dot`` tiles of :data:`MAX_ROWS`."""
     import triton
 
-    from eyas.verifier.decode_mlp_kernels import KERNELS, TUNED, TUNED_ROW
+    from eyas.verifier.decode_mlp_kernels import KERNELS, TUNED, TUNED_FEW, TUNED_ROW
 
     ieee = args[0].dtype == torch.float32  # fp32 models multiply in fp32, not TF32
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
 
-    block_m = 1 if M == 1 else MAX_ROWS
+    block_m = triton.next_power_of_2(M) if M <= FEW_ROWS else MAX_ROWS
     if interpreting():  # the CPU interpreter: one tile, no timing
         KERNELS[name][grid](*args, K=K, IEEE=ieee, PDL=False, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
     else:
         pdl = PDL and pdl_capable(args[0].device)
-        (TUNED_ROW if M == 1 else TUNED)[name][grid](*args, K=K, IEEE=ieee, PDL=pdl, BLOCK_M=block_m,
-                                                     launch_pdl=pdl)  # fmt: skip
+        tuned = TUNED_ROW if M == 1 else TUNED_FEW if M <= FEW_ROWS else TUNED
+        tuned[name][grid](*args, K=K, IEEE=ieee, PDL=pdl, BLOCK_M=block_m, launch_pdl=pdl)
+
+
+#: the most rows summed as products, as one row is (a verification's K + 1 up to K = 7); more rows take ``tl.dot``
+#: tiles of 16 (at a verification's 4 rows those tiles, 12 of 16 rows padding, ran slower than cuBLAS: the round
+#: 2.315 against 2.089 ms on an H100, docs/BENCHMARKS.md)
+FEW_ROWS = 8
 
 
 #: launch the kernels with programmatic dependent launch where the GPU has it (Hopper on): each starts while the

@@ -14,6 +14,10 @@ TILES = [(16, 64, 2), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64,
 #: program, so that more programs read the weights side by side (SmolLM2's down projection has 576 outputs: 36
 #: programs of 16 leave most of an H100's 132 SMs idle)
 ROW_TILES = [(4, 512, 4), (4, 1024, 4), (8, 256, 2), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4)]
+#: the same for a few rows (a verification's K + 1, at most :data:`eyas.verifier.decode_mlp.FEW_ROWS`), summed as
+#: products as one row is: each program holds rows x outputs x reduction step products at once, so its tiles are
+#: narrower than one row's (at four rows, 8 outputs by a step of 128 are 4,096 products: 32 a thread of 4 warps)
+FEW_TILES = [(4, 128, 4), (4, 256, 4), (8, 64, 2), (8, 128, 4), (8, 256, 8), (16, 64, 4), (16, 128, 8)]
 
 
 @triton.jit
@@ -35,10 +39,12 @@ def _summed(res_ptr, attn_ptr, offs, mask, dt: tl.constexpr):
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc + a @ b^T`` (fp32 accumulation; fp32 operands in fp32, not TF32). ``a``: [BLOCK_M, BK], ``b``:
-    [BN, BK], ``acc``: [BLOCK_M, BN]. One row is a sum of products (a GEMV), since ``tl.dot`` takes at least 16
-    rows, 15 of them padding here."""
+    [BN, BK], ``acc``: [BLOCK_M, BN]. One row, and a few (fewer than 16), are sums of products (a GEMV a row),
+    since ``tl.dot`` takes at least 16 rows, most of them padding there."""
     if BLOCK_M == 1:
         out = acc + tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)[None, :]  # [1, BK] * [BN, BK] -> [1, BN]
+    elif BLOCK_M < 16:  # [BM, 1, BK] * [1, BN, BK] -> [BM, BN, BK], summed over BK -> [BM, BN]
+        out = acc + tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
     elif IEEE:
         out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     else:
@@ -125,8 +131,9 @@ def _tuned(fn, tiles):
     return triton.autotune(configs=configs, key=["N", "M"])(fn)  # K is a constexpr: a kernel per K
 
 
-#: each kernel as written (the interpreter's) and autotuned (the GPU's): over :data:`TILES` for several rows,
-#: over :data:`ROW_TILES` for one
+#: each kernel as written (the interpreter's) and autotuned (the GPU's): over :data:`TILES` for 16 rows' tiles,
+#: over :data:`FEW_TILES` for a few rows, over :data:`ROW_TILES` for one
 KERNELS = {"gate_up": _gate_up_kernel, "down": _down_kernel}
 TUNED = {name: _tuned(fn, TILES) for name, fn in KERNELS.items()}
+TUNED_FEW = {name: _tuned(fn, FEW_TILES) for name, fn in KERNELS.items()}
 TUNED_ROW = {name: _tuned(fn, ROW_TILES) for name, fn in KERNELS.items()}
