@@ -11,9 +11,11 @@
 #   bash bench/gpu/generate.sh random   carry .whl .carry/smol-config .carry/sharegpt_prompts.jsonl.gz
 #                                       .carry/mt_bench.jsonl                                    about 5 min
 # or the real SmolLM2 in two calls back to back on one machine (its GGUF travels in two halves):
-#   bash bench/gpu/generate.sh part0    carry .whl .carry/smol.part00 .carry/sharegpt_prompts.jsonl.gz
-#                                       .carry/mt_bench.jsonl: the wheels, the first half and the prompts in /tmp/g
-#   bash bench/gpu/generate.sh real     carry .carry/smol.part01: joins the GGUF, then the same runs on it
+#   bash bench/gpu/generate.sh part0    carry .whl .carry/smol.part00 .carry/mt_bench.jsonl: the wheels, the
+#                                       first half and MT-Bench's prompts in /tmp/g
+#   bash bench/gpu/generate.sh real     carry .carry/smol.part01 .carry/sharegpt_prompts.jsonl.gz: joins the GGUF,
+#                                       then the same runs on it (ShareGPT's 7 MB beside the wheels and the first
+#                                       half no longer fit a call's 64 MiB with the tree)
 # or, in one call of about 8 minutes on the random-weight model (the random mode's carry), what batch-1 decoding
 # costs with each slot attention (bench/decode_profile.py: a plain step and a speculative round, timed and
 # profiled), the GPU tests of the graphed steps, eval's loops on 4 MT-Bench questions against transformers'
@@ -46,7 +48,7 @@
 # batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
-# .carry/smol.part01), what the recipe's runs cost where they slowed: a plain step and a speculative round with
+# .carry/smol.part01 .carry/sharegpt_prompts.jsonl.gz), what the recipe's runs cost where they slowed: a plain step and a speculative round with
 # random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
 # cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills eager and compiled:
 #   bash bench/gpu/generate.sh costs

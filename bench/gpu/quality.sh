@@ -7,12 +7,14 @@
 # one's time limit cut it. Figures: docs/BENCHMARKS.md, "SmolLM2 from nothing".
 #
 # Kind nvidia-h200. The GGUF travels in two halves (build them and the prompt files with prepare_carry.sh):
-#   bash bench/gpu/quality.sh part0   carry .whl .carry/smol.part00 .carry/sharegpt_prompts.jsonl.gz
-#                                     .carry/mt_bench.jsonl .carry/humaneval.jsonl.gz: installs the wheels, keeps
-#                                     the first half and the prompts in /tmp/g
-#   bash bench/gpu/quality.sh run     carry .carry/smol.part01 (first call; later calls carry nothing): joins the
-#                                     GGUF, then `eyas run` for at most $BUDGET seconds. Call again (at once, while
-#                                     the machine is warm) until status.txt says "all stages done".
+#   bash bench/gpu/quality.sh part0   carry .whl .carry/smol.part00 .carry/mt_bench.jsonl .carry/humaneval.jsonl.gz:
+#                                     installs the wheels, keeps the first half and the eval prompts in /tmp/g
+#   bash bench/gpu/quality.sh run     carry .carry/smol.part01 .carry/sharegpt_prompts.jsonl.gz (first call; later
+#                                     calls carry nothing): keeps the prompt files it carries in /tmp/g too, joins
+#                                     the GGUF, then `eyas run` for at most $BUDGET seconds. Call again (at once,
+#                                     while the machine is warm) until status.txt says "all stages done".
+#                                     (Either call may carry any of the three prompt files; ShareGPT's 7 MB beside
+#                                     the wheels and the first half no longer fit a call's 64 MiB with the tree.)
 #   bash bench/gpu/quality.sh headtohead   once $R holds regenerate's answers (a run with UNTIL=regenerate or
 #                                     later on this warm machine, or seeded with SEED): eyas' trainer
 #                                     against speculators 0.9.0's on a seeded sample of H2H_SAMPLES (default 5000) of
@@ -44,8 +46,10 @@
 # else gzip; in parts of 15 MB: $OUT/seed.tar.00, .01, ...; join with cat) so later runs can train on the same
 # answers without decoding them again: give a later run those parts as SEED (a glob, or the parts in order,
 # quoted) and `eyas run` finds the self-written prompts and the answers up to date (the same GGUF, prompt files
-# and settings; any other change reruns them) and starts at prepare: carry them with .carry/smol.part01 (81k
-# prompts' answers: 17.2 MB of xz beside the GGUF half's 48.4 MB, inside a call's 64 MiB). Runs kept before that
+# and settings; any other change reruns them) and starts at prepare. 81k prompts' answers are 17.2 MB of xz,
+# which beside the GGUF's second half (48.4 MB) and the tree pass a call's 64 MiB: carry them in a call of their
+# own first, on the warm machine (`mkdir -p /tmp/g && cp .carry/seed.tar.* /tmp/g/`, carry the parts), and give
+# SEED='/tmp/g/seed.tar.*'. Runs kept before that
 # format are seeded the same way from their run.tar.gz (SEED_RUN) and regenerated.tgz parts (SEED_DATA). On the
 # same warm machine, SEED_FROM=DIR seeds $R from another run folder there (a run finished up to regenerate or
 # later: R=/tmp/lever SEED_FROM=/tmp/q trains a lever on the answers the call before decoded).
@@ -58,6 +62,11 @@ case "${1:-}" in
   run|headtohead|predict) ;;
   *) echo "usage: bash bench/gpu/quality.sh part0|run|headtohead|predict" >&2; exit 2 ;;
 esac
+# the prompt files this call carries, kept beside those an earlier call kept (the same files: never replaced; a
+# dry run writes nothing outside $OUT)
+[ -n "${DRY_RUN:-}" ] || for f in sharegpt_prompts.jsonl.gz mt_bench.jsonl humaneval.jsonl.gz; do
+  [ ! -e ".carry/$f" ] || [ -e "$D/$f" ] || { mkdir -p "$D" && cp ".carry/$f" "$D/"; }
+done
 [ -n "${GGUF_FILE:-}" ] || join_gguf
 # the named eval sets from the carried files, where eyas looks for a named set's package when it is not installed
 export EYAS_CACHE=$D/cache
