@@ -93,6 +93,7 @@ from eyas.engine.generate import BatchDecoder  # noqa: E402
 from eyas.engine.slots import slot_attention  # noqa: E402
 from eyas.engine.speculative import plain_generate, speculative_generate  # noqa: E402
 from eyas.verifier.compile import OUTER_MODULES as _OUTER  # noqa: E402
+from eyas.verifier.decode_mlp import MAX_ROWS as _MLP_MAX_ROWS  # noqa: E402
 
 
 #: the longest wait between two kernels of a graph counted as launch latency, not as the GPU waiting on the host
@@ -250,8 +251,8 @@ def main() -> None:
                     "(torch's: cuBLAS), cublaslt, cublas (torch.backends.cuda.preferred_blas_library)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    if unknown := set(args.decode_mlp.split(",")) - set(DECODE_MLP):
-        ap.error(f"--decode-mlp takes {', '.join(DECODE_MLP)}, got {', '.join(sorted(unknown))}")
+    if unknown := set(args.decode_mlp.split(",")) - set(DECODE_MLP_ROWS):
+        ap.error(f"--decode-mlp takes {', '.join(DECODE_MLP_ROWS)}, got {', '.join(sorted(unknown))}")
     tmp = tempfile.TemporaryDirectory()
     device = None
     if args.smoke:
@@ -383,13 +384,12 @@ def set_norm_ahead(on: bool, *, decode_mlp: str = "on", pdl: bool = True) -> Non
     import eyas.verifier.decode_mlp as decode_mlp_
 
     compile_.NORM_AHEAD = on
-    # the most rows a forward may have for its layers to run the kernels
-    compile_.DECODE_MLP_ROWS = {"off": 0, "on": 1, "nopdl": 1, "all": decode_mlp_.MAX_ROWS}[decode_mlp]
+    compile_.DECODE_MLP_ROWS = DECODE_MLP_ROWS[decode_mlp]
     decode_mlp_.PDL = pdl
 
 
-#: --decode-mlp's settings (set_norm_ahead)
-DECODE_MLP = ("off", "on", "all", "nopdl")
+#: --decode-mlp's settings: the most rows a forward may have for its layers to run eyas' MLP kernels
+DECODE_MLP_ROWS = {"off": 0, "on": 1, "all": _MLP_MAX_ROWS, "nopdl": 1}
 
 
 @contextlib.contextmanager

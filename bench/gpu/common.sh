@@ -27,10 +27,19 @@ install_wheels() {  # the carried .whl folder into /tmp/site (skipped in a call 
     df -h /tmp | tail -1; } | tee -a "$OUT/status.txt"
 }
 
+PROMPT_FILES="sharegpt_prompts.jsonl.gz mt_bench.jsonl humaneval.jsonl.gz"  # what prepare_carry.sh writes
+
 stash_part0() {  # keep the GGUF's first half and the prompt files in $G for the next call (which joins them)
   mkdir -p $G && cp .carry/smol.part00 $G/
-  for f in sharegpt_prompts.jsonl.gz mt_bench.jsonl humaneval.jsonl.gz; do [ -e .carry/$f ] && cp .carry/$f $G/; done
+  for f in $PROMPT_FILES; do [ -e .carry/$f ] && cp .carry/$f $G/; done
   ls -la $G | tee -a "$OUT/status.txt"
+}
+
+keep_prompts() {  # keep_prompts DIR: the prompt files this call carries, in DIR beside those an earlier call kept
+  # there (the same files: never replaced)
+  for f in $PROMPT_FILES; do
+    [ ! -e ".carry/$f" ] || [ -e "$1/$f" ] || { mkdir -p "$1" && cp ".carry/$f" "$1/"; }
+  done
 }
 
 join_gguf() {  # the GGUF from $G/smol.part00 (an earlier call) and the carried .carry/smol.part01
@@ -70,4 +79,5 @@ if [ -n "${DRY_RUN:-}" ]; then
   dd() { record dd "$@"; }
   join_gguf() { echo "dry run: $GGUF not joined"; }
   stash_part0() { echo "dry run: nothing kept in $G"; }
+  keep_prompts() { :; }
 fi

@@ -48,8 +48,8 @@
 # batched engine on 4,096 ShareGPT first turns:
 #   bash bench/gpu/generate.sh autotune
 # or, in one call of about 8 minutes on the real GGUF (after `generate.sh part0` on the same warm machine; carry
-# .carry/smol.part01 .carry/sharegpt_prompts.jsonl.gz), what the recipe's runs cost where they slowed: a plain step and a speculative round with
-# random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
+# .carry/smol.part01 .carry/sharegpt_prompts.jsonl.gz), what the recipe's runs cost where they slowed: a plain
+# step and a speculative round with random drafts of one and two layers (train --num-layers), and regenerate on 8,192 ShareGPT first turns timed
 # cold (compiles and graph recording included, as one `eyas regenerate` pays them), its prefills eager and compiled:
 #   bash bench/gpu/generate.sh costs
 # or, in one call of at most about 7 minutes on the random-weight model (the random mode's carry), a plain step

@@ -62,11 +62,7 @@ case "${1:-}" in
   run|headtohead|predict) ;;
   *) echo "usage: bash bench/gpu/quality.sh part0|run|headtohead|predict" >&2; exit 2 ;;
 esac
-# the prompt files this call carries, kept beside those an earlier call kept (the same files: never replaced; a
-# dry run writes nothing outside $OUT)
-[ -n "${DRY_RUN:-}" ] || for f in sharegpt_prompts.jsonl.gz mt_bench.jsonl humaneval.jsonl.gz; do
-  [ ! -e ".carry/$f" ] || [ -e "$D/$f" ] || { mkdir -p "$D" && cp ".carry/$f" "$D/"; }
-done
+keep_prompts "$D"  # the prompt files this call carries (either call may carry them)
 [ -n "${GGUF_FILE:-}" ] || join_gguf
 # the named eval sets from the carried files, where eyas looks for a named set's package when it is not installed
 export EYAS_CACHE=$D/cache

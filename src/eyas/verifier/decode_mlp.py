@@ -105,12 +105,16 @@ def _launch(name: str, args: tuple, M: int, N: int, K: int) -> None:
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
 
-    block_m = triton.next_power_of_2(M) if M <= FEW_ROWS else MAX_ROWS
+    if M == 1:
+        block_m, tuned = 1, TUNED_ROW
+    elif M <= FEW_ROWS:
+        block_m, tuned = triton.next_power_of_2(M), TUNED_FEW
+    else:
+        block_m, tuned = MAX_ROWS, TUNED
     if interpreting():  # the CPU interpreter: one tile, no timing
         KERNELS[name][grid](*args, K=K, IEEE=ieee, PDL=False, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64)
     else:
         pdl = PDL and pdl_capable(args[0].device)
-        tuned = TUNED_ROW if M == 1 else TUNED_FEW if M <= FEW_ROWS else TUNED
         tuned[name][grid](*args, K=K, IEEE=ieee, PDL=pdl, BLOCK_M=block_m, launch_pdl=pdl)
 
 
